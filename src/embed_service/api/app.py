@@ -1,0 +1,135 @@
+"""The app factory. The lifespan owns the engines: it starts loading them in the background, so the socket
+is open and /health answers 503 until the model is ready, and it tears them down after `yield`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI
+
+from embed_service import __version__, metrics
+from embed_service.api.errors import install_handlers
+from embed_service.api.routes import router
+from embed_service.config import Settings
+from embed_service.engine.engine import Engine
+from embed_service.engine.errors import ModelNotFoundError
+
+log = logging.getLogger(__name__)
+
+
+class Models:
+    """The served engines by name (canonical names and aliases)."""
+
+    def __init__(self, engines: list[Engine]):
+        self.engines = engines
+        self.by_name = {name: e for e in engines for name in e.served_names}
+        self.default = engines[0]
+
+    def get(self, name: str | None) -> Engine:
+        if name is None:
+            return self.default
+        try:
+            return self.by_name[name]
+        except KeyError:
+            raise ModelNotFoundError(name, list(self.by_name)) from None
+
+    @property
+    def ready(self) -> bool:
+        return all(e.state == "ready" for e in self.engines)
+
+
+class ServerState:
+    """What the routes and the process runner share."""
+
+    def __init__(self, settings: Settings, models: Models):
+        self.settings = settings
+        self.models = models
+        self.draining = False
+        self.fatal: str | None = None
+        self.on_fatal: list[Any] = []
+
+    def begin_drain(self) -> None:
+        self.draining = True
+        for e in self.models.engines:
+            e.begin_drain()
+
+
+def create_app(settings: Settings, engines: list[Engine]) -> FastAPI:
+    state = ServerState(settings, Models(engines))
+
+    def fatal(reason: str) -> None:
+        state.fatal = reason
+        for callback in state.on_fatal:
+            callback(reason)
+
+    for e in engines:
+        e.on_fatal.append(fatal)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async def load() -> None:
+            t0 = time.perf_counter()
+            try:
+                await asyncio.gather(*(e.start() for e in engines))
+            except Exception as exc:
+                log.error("loading failed: %s", exc)
+                fatal(str(exc))
+                return
+            log.info(
+                "serving %s on http://%s:%d (ready in %.1fs)",
+                ", ".join(state.models.by_name),
+                settings.host,
+                settings.port,
+                time.perf_counter() - t0,
+            )
+
+        task = asyncio.create_task(load())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await asyncio.gather(*(e.close() for e in engines), return_exceptions=True)
+
+    app = FastAPI(title="embed-service", version=__version__, lifespan=lifespan)
+    app.state.server = state
+    install_handlers(app)
+    app.include_router(router)
+    app.add_middleware(MetricsMiddleware, default_model=engines[0].name)
+    return app
+
+
+class MetricsMiddleware:
+    """Counts every response by status and times the API routes (pure ASGI: no body buffering)."""
+
+    timed = {"/v1/embeddings", "/embeddings", "/tokenize"}
+
+    def __init__(self, app: Any, default_model: str):
+        self.app = app
+        self.default_model = default_model
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_wrapper(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            model = scope.get("state", {}).get("model", self.default_model)
+            metrics.REQUESTS.labels(model, str(status)).inc()
+            if scope["path"] in self.timed:
+                metrics.REQUEST_DURATION.labels(model).observe(time.perf_counter() - start)

@@ -1,0 +1,72 @@
+"""`embed-service serve`: every Settings field is a flag (--kebab-case) and an EMBED_* variable."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import typing
+from typing import Any
+
+from pydantic import ValidationError
+
+from embed_service.config import Settings
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        help_text = (field.description or "").replace("%", "%%") + f" [env: EMBED_{name.upper()}]"
+        annotation = field.annotation
+        origin = typing.get_origin(annotation)
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if annotation is bool:
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text
+            )
+        elif origin is list:
+            parser.add_argument(
+                flag, action="append", default=argparse.SUPPRESS, help=help_text + " (repeatable)"
+            )
+        elif origin is typing.Literal:
+            parser.add_argument(
+                flag, choices=list(typing.get_args(annotation)), default=argparse.SUPPRESS, help=help_text
+            )
+        else:
+            base = args[0] if args else annotation
+            kind = base if base in (int, float) else str
+            parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="embed-service", description="OpenAI-compatible text-embedding server"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser(
+        "serve", help="serve a model over HTTP", formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    _add_settings_flags(serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    values: dict[str, Any] = {k: v for k, v in vars(args).items() if k != "command"}
+    if args.command == "serve":
+        try:
+            settings = Settings(**values)
+        except ValidationError as exc:
+            for err in exc.errors():
+                print(
+                    f"embed-service: --{'-'.join(str(p) for p in err['loc']).replace('_', '-')}: {err['msg']}",
+                    file=sys.stderr,
+                )
+            return 2
+        from embed_service.server import serve
+
+        return serve(settings)
+    return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Settings: one pydantic-settings class, every field a CLI flag and an ``EMBED_*`` variable."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
+
+
+class Settings(BaseSettings):
+    """Everything the server can be told. Flags win over ``EMBED_*`` variables, which win over defaults."""
+
+    model_config = SettingsConfigDict(env_prefix="EMBED_", use_attribute_docstrings=True, extra="ignore")
+
+    model: str | None = None
+    """Local model directory (Hugging Face / sentence-transformers layout). Default: the packaged all-MiniLM-L6-v2."""
+
+    served_model_name: list[str] = Field(default_factory=list)
+    """Names the model answers to (repeatable): the first is canonical, the others aliases. Default: the directory's name."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+
+    port: int = 8000
+    """Port to listen on."""
+
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Log verbosity."""
+
+    api_key: str | None = None
+    """When set, requests must carry ``Authorization: Bearer <key>`` (/live, /health and /metrics stay open)."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the model runs: ``auto`` picks CUDA when a GPU is visible, else the CPU."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weight and activation dtype. ``auto``: bfloat16 on GPUs that have it (float16 on older ones) and on CPUs
+    with AMX or AVX512-BF16, float32 elsewhere. Pooling and normalization always run in float32."""
+
+    max_input_length: int | None = None
+    """Tokens per input, special tokens included. Default: the model's (sentence-transformers max_seq_length,
+    else the tokenizer's model_max_length, else max_position_embeddings)."""
+
+    auto_truncate: bool = True
+    """Cut inputs longer than the max input length (keeping special tokens); when off they get a 400."""
+
+    max_batch_tokens: int = 16384
+    """Real tokens per forward pass (a batch always takes at least one sequence). Must be >= the max input length."""
+
+    max_batch_requests: int = 256
+    """Sequences per forward pass."""
+
+    max_concurrent_requests: int = 1024
+    """Inputs admitted and not yet answered (queued or running); an input past it is answered 429 at once."""
+
+    max_client_batch_size: int = 2048
+    """Inputs in one request."""
+
+    max_request_bytes: int = 8 * 1024 * 1024
+    """Largest request body; larger ones get 413."""
+
+    tensor_parallel_size: int = 1
+    """Worker processes the model is sharded over (one per rank)."""
+
+    num_threads: int | None = None
+    """Compute threads per worker. Default: the CPU cores divided by the tensor-parallel size."""
+
+    drain_timeout: float = 30.0
+    """Seconds SIGTERM waits for admitted requests to finish before the server exits anyway."""
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _split_names(cls, v: object) -> object:
+        # EMBED_SERVED_MODEL_NAME="a,b" as well as a JSON list.
+        if isinstance(v, str):
+            return [s.strip() for s in v.split(",") if s.strip()]
+        return v
+
+    @field_validator("port")
+    @classmethod
+    def _port_range(cls, v: int) -> int:
+        if not 0 <= v <= 65535:
+            raise ValueError("port must be in 0..65535")
+        return v
+
+    @field_validator(
+        "max_batch_tokens",
+        "max_batch_requests",
+        "max_concurrent_requests",
+        "max_client_batch_size",
+        "max_request_bytes",
+        "tensor_parallel_size",
+    )
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("must be at least 1")
+        return v

@@ -1,0 +1,282 @@
+"""One engine per served model: tokenize, admit, batch, run, pool, finish.
+
+The engine owns the tokenizer, the batcher and the worker group. It never sees HTTP; its refusals are the
+exceptions in engine/errors.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from embed_service import metrics
+from embed_service.batching.batcher import Batcher
+from embed_service.batching.sequence import RequestState, Sequence
+from embed_service.config import Settings
+from embed_service.engine.errors import InvalidInputError, NotReadyError, OverloadedError
+from embed_service.engine.tokenizer import InputTooLongError, InvalidTokenError, Tokenizer, Truncation
+from embed_service.models.spec import ModelSpec
+from embed_service.workers.device import available_cores, resolve_device, resolve_dtype
+from embed_service.workers.group import WorkerGroup, free_port
+from embed_service.workers.worker import WorkerConfig
+
+log = logging.getLogger(__name__)
+
+Inputs = list[str] | list[list[int]]
+
+
+@dataclass
+class EmbedOptions:
+    """Per-request choices; None means the model's or the server's default."""
+
+    truncate: bool | None = None
+    truncation_direction: str = "right"
+    normalize: bool | None = None
+    dimensions: int | None = None
+
+
+@dataclass
+class Pooled:
+    """One sequence's pooled output (dense today; room for sparse and multi-vector outputs)."""
+
+    dense: np.ndarray  # (D,) float32, not normalized
+
+
+@dataclass
+class EmbedResult:
+    embeddings: np.ndarray  # (n, d) float32, C-contiguous
+    prompt_tokens: int
+
+
+def finish(vectors: np.ndarray, dimensions: int | None, normalize: bool) -> np.ndarray:
+    """Keep the first `dimensions` features, then L2-normalize in float32 (as torch's F.normalize)."""
+    if dimensions is not None:
+        vectors = vectors[:, :dimensions]
+    vectors = vectors.astype(np.float32, copy=False)
+    if normalize:
+        norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+        vectors = vectors / np.maximum(norms, np.float32(1e-12))
+    return np.ascontiguousarray(vectors, dtype=np.float32)
+
+
+class Engine:
+    def __init__(self, settings: Settings, spec: ModelSpec, served_names: list[str]):
+        self.settings = settings
+        self.spec = spec
+        self.served_names = served_names
+        self.name = served_names[0]
+        if settings.max_batch_tokens < spec.max_input_length:
+            raise ValueError(
+                f"--max-batch-tokens ({settings.max_batch_tokens}) is below the max input length "
+                f"({spec.max_input_length}): the longest input could never be batched"
+            )
+        self.tokenizer = Tokenizer(spec)
+        self.device = resolve_device(settings.device)
+        self.dtype = resolve_dtype(settings.dtype, self.device)
+        tp = settings.tensor_parallel_size
+        self.num_threads = settings.num_threads or max(1, available_cores() // tp)
+        self.worker_config = WorkerConfig(
+            str(spec.path),
+            spec.max_input_length,
+            self.dtype,
+            self.device,
+            self.num_threads,
+            tp,
+            free_port() if tp > 1 else 0,
+        )
+        self.state = "loading"  # loading -> ready -> draining | failed
+        self.failure: str | None = None
+        self.in_flight = 0
+        self.group: WorkerGroup | None = None
+        self.batcher: Batcher | None = None
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"tokenize-{self.name}")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.on_fatal: list[Any] = []  # callbacks (reason) run on the event loop when the workers die
+
+    # --- life cycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the workers and wait for them to load and warm up (in a thread: the loop keeps serving)."""
+        self._loop = asyncio.get_running_loop()
+        log.info(
+            "model %s: architecture=%s pooling=%s normalize=%s dimension=%d max_input_length=%d "
+            "dtype=%s device=%s tensor_parallel_size=%d",
+            self.name,
+            self.spec.architecture,
+            self.spec.pooling,
+            self.spec.normalize,
+            self.spec.dimension,
+            self.spec.max_input_length,
+            self.dtype,
+            self.device,
+            self.settings.tensor_parallel_size,
+        )
+        self.group = WorkerGroup(self.worker_config, on_death=self._death_from_thread)
+        try:
+            self.group.start()
+            await asyncio.to_thread(
+                self.group.wait_ready, lambda text: log.info("model %s: %s", self.name, text)
+            )
+        except Exception as exc:
+            self._fail(str(exc))
+            raise
+        self.batcher = Batcher(
+            self._compute, self.settings.max_batch_tokens, self.settings.max_batch_requests, self.name
+        )
+        self.batcher.start()
+        if self.state == "loading":
+            self.state = "ready"
+            log.info("model %s: ready", self.name)
+
+    def begin_drain(self) -> None:
+        if self.state in ("ready", "loading"):
+            self.state = "draining"
+
+    async def wait_idle(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def close(self) -> None:
+        if self.batcher:
+            await self.batcher.stop()
+        if self.group:
+            await asyncio.to_thread(self.group.close)
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    def _death_from_thread(self, reason: str) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fail, reason)
+
+    def _fail(self, reason: str) -> None:
+        if self.state == "failed":
+            return
+        self.state, self.failure = "failed", reason
+        if self.batcher:
+            self.batcher.fail_all(NotReadyError(f"model {self.name} is unavailable: {reason}"))
+        for callback in self.on_fatal:
+            callback(reason)
+
+    # --- serving ----------------------------------------------------------------------------------
+
+    def _check_ready(self) -> None:
+        if self.state != "ready":
+            what = {
+                "loading": "is still loading",
+                "draining": "is shutting down",
+                "failed": f"is unavailable: {self.failure}",
+            }[self.state]
+            raise NotReadyError(f"model {self.name} {what}")
+
+    def _compute(self, ids: np.ndarray, lengths: np.ndarray) -> list[Pooled]:
+        assert self.group is not None
+        try:
+            out = self.group.run(ids, lengths)
+        except RuntimeError as exc:
+            if self.group.dead_reason:
+                raise NotReadyError(f"model {self.name} is unavailable: {self.group.dead_reason}") from exc
+            raise
+        return [Pooled(row) for row in out]
+
+    def truncation(self, opts: EmbedOptions) -> Truncation:
+        enabled = self.settings.auto_truncate if opts.truncate is None else opts.truncate
+        return Truncation(enabled, self.spec.max_input_length, opts.truncation_direction)
+
+    def _token_ids(self, inputs: Inputs, rule: Truncation) -> list[list[int]]:
+        """Runs on a tokenization thread."""
+        if inputs and isinstance(inputs[0], str):
+            seqs = self.tokenizer.encode(inputs)
+        else:
+            seqs = inputs  # type: ignore[assignment]
+            self.tokenizer.check_ids(seqs)
+        return self.tokenizer.truncate(seqs, rule)
+
+    async def tokenize(self, inputs: Inputs, opts: EmbedOptions | None = None) -> list[list[int]]:
+        """The token ids embed() would run, after truncation."""
+        rule = self.truncation(opts or EmbedOptions())
+        loop = asyncio.get_running_loop()
+        start = time.perf_counter()
+        try:
+            ids = await loop.run_in_executor(self._tokenize_pool, self._token_ids, inputs, rule)
+        except InputTooLongError as exc:
+            raise InvalidInputError(str(exc)) from None
+        except InvalidTokenError as exc:
+            raise InvalidInputError(str(exc)) from None
+        metrics.TOKENIZATION_DURATION.labels(self.name).observe(time.perf_counter() - start)
+        return ids
+
+    async def embed(self, inputs: Inputs, opts: EmbedOptions | None = None) -> EmbedResult:
+        opts = opts or EmbedOptions()
+        self._check_ready()
+        if opts.dimensions is not None and not 1 <= opts.dimensions <= self.spec.dimension:
+            raise InvalidInputError(
+                f"dimensions must be in 1..{self.spec.dimension}, got {opts.dimensions}", param="dimensions"
+            )
+        n = len(inputs)
+        limit = self.settings.max_concurrent_requests
+        if self.in_flight + n > limit:
+            raise OverloadedError(
+                f"model {self.name} is at capacity ({self.in_flight} of {limit} inputs "
+                f"in progress); retry shortly"
+            )
+        self.in_flight += n
+        self._idle.clear()
+        try:
+            seqs_ids = await self.tokenize(inputs, opts)
+            self._check_ready()
+            assert self.batcher is not None
+            loop = asyncio.get_running_loop()
+            state = RequestState()
+            seqs = [Sequence(ids, loop.create_future(), state) for ids in seqs_ids]
+            self.batcher.submit(seqs)
+            try:
+                results = await asyncio.gather(*(s.future for s in seqs))
+            except BaseException:
+                state.cancelled = True  # the client went away, or a batch failed: drop the rest
+                raise
+            normalize = self.spec.normalize if opts.normalize is None else opts.normalize
+            vectors = finish(np.stack([r.dense for r in results]), opts.dimensions, normalize)
+            tokens = sum(len(s) for s in seqs_ids)
+            metrics.INPUT_TOKENS.labels(self.name).inc(tokens)
+            return EmbedResult(vectors, tokens)
+        finally:
+            self.in_flight -= n
+            if self.in_flight == 0:
+                self._idle.set()
+
+    def info(self) -> dict[str, Any]:
+        s = self.settings
+        return {
+            "model": self.name,
+            "served_model_names": self.served_names,
+            "model_path": str(self.spec.path),
+            "architecture": self.spec.architecture,
+            "pooling": self.spec.pooling,
+            "normalize": self.spec.normalize,
+            "dimension": self.spec.dimension,
+            "max_input_length": self.spec.max_input_length,
+            "auto_truncate": s.auto_truncate,
+            "dtype": self.dtype,
+            "device": self.device,
+            "tensor_parallel_size": s.tensor_parallel_size,
+            "num_threads": self.num_threads,
+            "max_batch_tokens": s.max_batch_tokens,
+            "max_batch_requests": s.max_batch_requests,
+            "max_concurrent_requests": s.max_concurrent_requests,
+            "max_client_batch_size": s.max_client_batch_size,
+            "max_request_bytes": s.max_request_bytes,
+            "state": self.state,
+            "parameter_bytes_per_rank": [r["parameter_bytes"] for r in self.group.rank_info]
+            if self.group
+            else [],
+        }

@@ -1,0 +1,140 @@
+"""Linear layers that know their tensor-parallel shard.
+
+Each parameter carries a ``weight_loader`` that narrows the full checkpoint tensor to this rank's slice, so a
+model is written once and runs at any tensor-parallel size. At size 1 every slice is the whole tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from embed_service.parallel import all_reduce, tp_rank, tp_world_size
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) does not divide by the tensor-parallel size ({denominator})")
+    return numerator // denominator
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(
+            f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}"
+        )
+    param.data.copy_(loaded)
+
+
+class ReplicatedLinear(nn.Module):
+    """The whole weight on every rank (small heads such as a sentence-transformers Dense layer)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features split across ranks: (T, in) -> (T, out / tp). No communication."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, what: str = "output features"):
+        super().__init__()
+        self.tp_size = tp_world_size()
+        self.out_per_rank = divide(out_features, self.tp_size, what)
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        size = param.shape[0]
+        default_weight_loader(param, loaded.narrow(0, tp_rank() * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (gate and up of a SwiGLU MLP).
+
+    Each rank holds its slice of every part, laid side by side: [gate_r | up_r].
+    """
+
+    def __init__(
+        self, in_features: int, part_sizes: list[int], bias: bool = True, what: str = "intermediate size"
+    ):
+        self.part_sizes = part_sizes
+        tp = tp_world_size()
+        for size in part_sizes:
+            divide(size, tp, what)
+        super().__init__(in_features, sum(part_sizes), bias, what)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:  # type: ignore[override]
+        tp = self.tp_size
+        offset = sum(self.part_sizes[:shard_id]) // tp
+        size = self.part_sizes[shard_id] // tp
+        default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, tp_rank() * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Query, key and value projections in one matmul; heads split across ranks: [q_r | k_r | v_r].
+
+    Key/value heads may be fewer than query heads (grouped-query attention).
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = True):
+        tp = tp_world_size()
+        divide(num_heads, tp, "query heads")
+        divide(num_kv_heads, tp, "key/value heads")
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp
+        self.num_kv_heads = num_kv_heads // tp
+        total = (num_heads + 2 * num_kv_heads) * head_dim
+        super().__init__(hidden_size, total, bias, "query/key/value features")
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:  # type: ignore[override]
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+        default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, tp_rank() * size, size))
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split across ranks: (T, in / tp) -> (T, out), summed over ranks; bias added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, what: str = "input features"):
+        super().__init__()
+        self.tp_size = tp_world_size()
+        self.in_per_rank = divide(in_features, self.tp_size, what)
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        size = param.shape[1]
+        default_weight_loader(param, loaded.narrow(1, tp_rank() * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.tp_size > 1:
+            y = all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y

@@ -1,0 +1,42 @@
+"""Normalization layers. Statistics are taken in float32 whatever the activation dtype."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from embed_service.layers.linear import default_weight_loader
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, bias: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        if bias:
+            self.bias = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+            self.bias.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        bias = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), bias, self.eps).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # As the reference does: normalize in float32, cast back, then scale.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)

@@ -1,0 +1,59 @@
+"""Every Prometheus metric the server exports, declared in one place. Names are stable; see docs/metrics.md."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+# Geometric: 0.25 ms .. ~65 s, each bucket twice the last.
+DURATION_BUCKETS = tuple(0.00025 * 2**k for k in range(19))
+POWERS_OF_TWO = tuple(float(2**k) for k in range(18))
+
+REQUESTS = Counter(
+    "embed_requests_total",
+    "HTTP responses, by model and status code.",
+    ["model", "status"],
+    registry=REGISTRY,
+)
+INPUT_TOKENS = Counter(
+    "embed_input_tokens_total",
+    "Tokens embedded (after truncation, special tokens included).",
+    ["model"],
+    registry=REGISTRY,
+)
+REQUEST_DURATION = Histogram(
+    "embed_request_duration_seconds",
+    "Time from a request's arrival to its response.",
+    ["model"],
+    buckets=DURATION_BUCKETS,
+    registry=REGISTRY,
+)
+QUEUE_DURATION = Histogram(
+    "embed_queue_duration_seconds",
+    "Time a sequence waits in the queue before its batch runs.",
+    ["model"],
+    buckets=DURATION_BUCKETS,
+    registry=REGISTRY,
+)
+TOKENIZATION_DURATION = Histogram(
+    "embed_tokenization_duration_seconds",
+    "Time to tokenize one request's inputs.",
+    ["model"],
+    buckets=DURATION_BUCKETS,
+    registry=REGISTRY,
+)
+INFERENCE_DURATION = Histogram(
+    "embed_inference_duration_seconds",
+    "Forward pass and pooling of one batch.",
+    ["model"],
+    buckets=DURATION_BUCKETS,
+    registry=REGISTRY,
+)
+BATCH_SIZE = Histogram(
+    "embed_batch_size", "Sequences per batch.", ["model"], buckets=POWERS_OF_TWO, registry=REGISTRY
+)
+BATCH_TOKENS = Histogram(
+    "embed_batch_tokens", "Tokens per batch.", ["model"], buckets=POWERS_OF_TWO, registry=REGISTRY
+)
+QUEUE_SIZE = Gauge("embed_queue_size", "Sequences waiting to be batched.", ["model"], registry=REGISTRY)

@@ -1,0 +1,123 @@
+"""Build a model from its spec and load its weights straight from the checkpoint files.
+
+The model is built with uninitialized (``torch.empty``) parameters in the target dtype on the target device,
+and each checkpoint tensor is handed to its parameter's ``weight_loader``, which narrows it to this rank's
+shard. (Not the meta device: materializing from meta makes new Parameters and drops their loaders.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from embed_service.layers.linear import ReplicatedLinear, default_weight_loader
+from embed_service.models.spec import DenseSpec, ModelSpec
+from embed_service.ops.batch import FlatBatch
+from embed_service.ops.pooling import POOLERS
+
+
+def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the safetensors files in a folder (else pytorch_model*.bin)."""
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        from safetensors import safe_open
+
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    yield name, f.get_tensor(name)
+        return
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if not bins:
+        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {path}")
+    for file in bins:
+        yield from torch.load(file, map_location="cpu", weights_only=True).items()
+
+
+def load_weights(model: nn.Module, path: Path) -> None:
+    params = dict(model.named_parameters())
+    mapping: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
+    prefixes: tuple[str, ...] = getattr(model, "checkpoint_prefixes", ())
+    ignored: tuple[str, ...] = getattr(model, "ignored_weights", ())
+    loaded: set[str] = set()
+    for name, tensor in iter_checkpoint(path):
+        for prefix in prefixes:
+            if name.startswith(prefix) and name[len(prefix) :].split(".")[0] in dict(model.named_children()):
+                name = name[len(prefix) :]
+                break
+        shard = None
+        for fragment, (target, shard_id) in mapping.items():
+            if fragment in name:
+                name, shard = name.replace(fragment, target), shard_id
+                break
+        if name not in params:
+            if any(name.startswith(i) for i in ignored):
+                continue
+            raise ValueError(f"{path}: checkpoint tensor {name!r} has no place in {type(model).__name__}")
+        param = params[name]
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        if shard is None:
+            loader(param, tensor)
+        else:
+            loader(param, tensor, shard)
+        loaded.add(name)
+    tied = getattr(model, "tied_weights", {})
+    for name, source in tied.items():
+        if name not in loaded and source in loaded:
+            params[name].data.copy_(params[source].data)
+            loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(
+            f"{path}: weights missing from the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+        )
+
+
+class DenseHead(nn.Module):
+    """sentence-transformers Dense: linear then activation, in float32."""
+
+    def __init__(self, spec: DenseSpec):
+        super().__init__()
+        self.linear = ReplicatedLinear(spec.in_features, spec.out_features, bias=spec.bias)
+        self.activation = torch.tanh if spec.activation == "tanh" else (lambda x: x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.activation(self.linear(x))
+
+
+class Embedder(nn.Module):
+    """Transformer -> pooling -> Dense layers: (T,) token ids -> (B, dimension) float32, not normalized.
+
+    Normalization and Matryoshka truncation are per request, so they happen after this, in the engine.
+    """
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        prev = torch.get_default_dtype()
+        try:
+            torch.set_default_dtype(dtype)
+            with device:
+                self.model = spec.family.load_class()(spec)
+        finally:
+            torch.set_default_dtype(prev)
+        load_weights(self.model, spec.path)
+        self.pool = POOLERS[spec.pooling]
+        self.dense = nn.ModuleList()
+        for d in spec.dense:
+            head = DenseHead(d)
+            load_weights(head, d.path)
+            self.dense.append(head.to(device))
+
+    @torch.inference_mode()
+    def forward(self, batch: FlatBatch) -> torch.Tensor:
+        hidden = self.model(batch)  # (T, H)
+        pooled = self.pool(hidden, batch.cu_seqlens)  # (B, H) float32
+        for d in self.dense:
+            pooled = d(pooled)
+        return pooled
+
+    def parameter_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())

@@ -1,0 +1,56 @@
+"""Maps ``architectures`` in config.json to an implementation and its default pooling.
+
+Only import paths live here, so the HTTP process can detect a model without importing torch model code.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    """An implementation: where its class lives, whether attention is causal, and its default pooling."""
+
+    module: str
+    cls: str
+    causal: bool
+    default_pooling: str
+    default_normalize: bool
+    positions_after_padding: bool = False
+    """RoBERTa style: position 0 sits at padding index + 1 in the position table."""
+
+    def position_offset(self, config: dict) -> int:
+        return int(config.get("pad_token_id", 1)) + 1 if self.positions_after_padding else 0
+
+    def load_class(self) -> type:
+        return getattr(importlib.import_module(f"embed_service.models.{self.module}"), self.cls)
+
+
+_BERT = Family("bert", "BertModel", causal=False, default_pooling="cls", default_normalize=False)
+
+ARCHITECTURES: dict[str, Family] = {
+    "BertModel": _BERT,
+    "BertForMaskedLM": _BERT,
+    "BertForPreTraining": _BERT,
+}
+
+MODEL_TYPES: dict[str, Family] = {"bert": _BERT}
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+def resolve_family(config: dict) -> tuple[str, Family]:
+    """(architecture name, family) for a config.json; unknown architectures fail with the supported list."""
+    archs = config.get("architectures") or []
+    for arch in archs:
+        if arch in ARCHITECTURES:
+            return arch, ARCHITECTURES[arch]
+    if not archs and config.get("model_type") in MODEL_TYPES:
+        return config["model_type"], MODEL_TYPES[config["model_type"]]
+    raise UnsupportedModelError(
+        f"unsupported architecture {archs or config.get('model_type')!r}; supported: {', '.join(sorted(ARCHITECTURES))}"
+    )

@@ -1,0 +1,1 @@
+"""Tensor operations on the flat token stream, each with a plain-PyTorch reference beside the fast path."""

@@ -1,0 +1,42 @@
+"""The one place that knows this process's tensor-parallel rank and world size.
+
+Layers ask here for their shard; a worker sets it once, before the model is built. With no process group
+(one rank) every layer holds the whole tensor and the collectives are no-ops: one code path for any size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_rank = 0
+_world_size = 1
+
+
+def set_tensor_parallel(rank: int, world_size: int) -> None:
+    global _rank, _world_size
+    _rank, _world_size = rank, world_size
+
+
+def tp_rank() -> int:
+    return _rank
+
+
+def tp_world_size() -> int:
+    return _world_size
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum a partial result across ranks, in place."""
+    if _world_size > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate each rank's slice of the last dimension."""
+    if _world_size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_world_size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)

@@ -1,0 +1,106 @@
+"""The body of one worker process: build this rank's shard of the model, warm up, then run batches.
+
+Messages in: ("run", ids (T,) int32, lengths (B,) int32) or ("stop",). Messages out: ("log", text) and
+("ready", info) while starting; then, from rank 0 only, ("ok", pooled (B, D) float32) or ("error", text)
+per batch. A parent that goes away closes the pipe, and the worker exits.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model_path: str
+    max_input_length: int
+    dtype: str
+    device: str
+    num_threads: int
+    world_size: int
+    dist_port: int
+
+
+def worker_main(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
+    try:
+        _serve(rank, cfg, conn)
+    except (EOFError, KeyboardInterrupt, BrokenPipeError):
+        pass
+    except Exception:
+        try:
+            conn.send(("fatal", traceback.format_exc()))
+        except Exception:
+            pass
+        sys.exit(1)
+
+
+def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from embed_service.models.loader import Embedder
+    from embed_service.models.spec import load_spec
+    from embed_service.ops.batch import FlatBatch
+    from embed_service.parallel import set_tensor_parallel
+    from embed_service.workers.device import DTYPES
+
+    torch.set_num_threads(cfg.num_threads)
+    device = torch.device("cuda", rank) if cfg.device == "cuda" else torch.device("cpu")
+    if cfg.device == "cuda":
+        torch.cuda.set_device(device)
+    if cfg.world_size > 1:
+        dist.init_process_group(
+            "nccl" if cfg.device == "cuda" else "gloo",
+            init_method=f"tcp://127.0.0.1:{cfg.dist_port}",
+            rank=rank,
+            world_size=cfg.world_size,
+            timeout=timedelta(seconds=60),
+        )
+    set_tensor_parallel(rank, cfg.world_size)
+    spec = load_spec(cfg.model_path, cfg.max_input_length)
+
+    def say(text: str) -> None:
+        if rank == 0:
+            conn.send(("log", text))
+
+    t0 = time.perf_counter()
+    say(
+        f"loading weights from {spec.path} ({cfg.dtype}, {cfg.device}, {cfg.world_size} rank(s), "
+        f"{cfg.num_threads} thread(s) each)"
+    )
+    model = Embedder(spec, DTYPES[cfg.dtype], device).eval()
+    say(f"weights loaded in {time.perf_counter() - t0:.1f}s; warming up")
+
+    def run(ids, lengths):
+        batch = FlatBatch.from_lengths(torch.from_numpy(ids), lengths.tolist()).to(device)
+        out = model(batch)
+        return out.float().cpu().numpy()
+
+    import numpy as np
+
+    t1 = time.perf_counter()
+    for n in (spec.max_input_length, 16):  # the longest shape once, then a short one
+        run(np.ones(n * 2, dtype=np.int32), np.array([n, n], dtype=np.int32))
+    say(f"warm-up done in {time.perf_counter() - t1:.1f}s")
+    conn.send(("ready", {"rank": rank, "parameter_bytes": model.parameter_bytes(), "pid": os.getpid()}))
+
+    while True:
+        msg = conn.recv()
+        if msg[0] == "stop":
+            return
+        _, ids, lengths = msg
+        try:
+            out = run(ids, lengths)
+        except Exception as exc:
+            if cfg.world_size > 1:
+                raise  # the ranks are out of step: let the group fail as a whole
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            continue
+        if rank == 0:
+            conn.send(("ok", out))
