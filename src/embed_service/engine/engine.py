@@ -20,7 +20,13 @@ from embed_service.batching.batcher import Batcher
 from embed_service.batching.sequence import RequestState, Sequence
 from embed_service.config import Settings
 from embed_service.engine.errors import InvalidInputError, NotReadyError, OverloadedError
-from embed_service.engine.tokenizer import InputTooLongError, InvalidTokenError, Tokenizer, Truncation
+from embed_service.engine.tokenizer import (
+    InputTooLongError,
+    InvalidTokenError,
+    PromptError,
+    Tokenizer,
+    Truncation,
+)
 from embed_service.models.spec import ModelSpec
 from embed_service.workers.device import available_cores, resolve_device, resolve_dtype
 from embed_service.workers.group import WorkerGroup, free_port
@@ -39,6 +45,8 @@ class EmbedOptions:
     truncation_direction: str = "right"
     normalize: bool | None = None
     dimensions: int | None = None
+    prompt_name: str | None = None
+    prompt: str | None = None
 
 
 @dataclass
@@ -192,22 +200,27 @@ class Engine:
         enabled = self.settings.auto_truncate if opts.truncate is None else opts.truncate
         return Truncation(enabled, self.spec.max_input_length, opts.truncation_direction)
 
-    def _token_ids(self, inputs: Inputs, rule: Truncation) -> list[list[int]]:
+    def _token_ids(self, inputs: Inputs, rule: Truncation, prompt: str | None) -> list[list[int]]:
         """Runs on a tokenization thread."""
         if inputs and isinstance(inputs[0], str):
-            seqs = self.tokenizer.encode(inputs)
+            seqs = self.tokenizer.encode(inputs, prompt)
         else:
             seqs = inputs  # type: ignore[assignment]
             self.tokenizer.check_ids(seqs)
-        return self.tokenizer.truncate(seqs, rule)
+        return self.tokenizer.truncate(seqs, rule, prompt)
 
     async def tokenize(self, inputs: Inputs, opts: EmbedOptions | None = None) -> list[list[int]]:
-        """The token ids embed() would run, after truncation."""
-        rule = self.truncation(opts or EmbedOptions())
+        """The token ids embed() would run, after prompting and truncation."""
+        opts = opts or EmbedOptions()
+        rule = self.truncation(opts)
+        try:
+            prompt = self.tokenizer.prompt_for(inputs, opts.prompt_name, opts.prompt)
+        except PromptError as exc:
+            raise InvalidInputError(str(exc), param=exc.param) from None
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
         try:
-            ids = await loop.run_in_executor(self._tokenize_pool, self._token_ids, inputs, rule)
+            ids = await loop.run_in_executor(self._tokenize_pool, self._token_ids, inputs, rule, prompt)
         except InputTooLongError as exc:
             raise InvalidInputError(str(exc)) from None
         except InvalidTokenError as exc:
@@ -265,6 +278,8 @@ class Engine:
             "normalize": self.spec.normalize,
             "dimension": self.spec.dimension,
             "max_input_length": self.spec.max_input_length,
+            "prompts": sorted(self.spec.prompts),
+            "default_prompt_name": self.spec.default_prompt_name,
             "auto_truncate": s.auto_truncate,
             "dtype": self.dtype,
             "device": self.device,

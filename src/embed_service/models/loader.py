@@ -42,6 +42,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
     mapping: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
     prefixes: tuple[str, ...] = getattr(model, "checkpoint_prefixes", ())
     ignored: tuple[str, ...] = getattr(model, "ignored_weights", ())
+    ignored_fragments: tuple[str, ...] = getattr(model, "ignored_fragments", ())
     loaded: set[str] = set()
     for name, tensor in iter_checkpoint(path):
         for prefix in prefixes:
@@ -54,7 +55,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
                 name, shard = name.replace(fragment, target), shard_id
                 break
         if name not in params:
-            if any(name.startswith(i) for i in ignored):
+            if any(name.startswith(i) for i in ignored) or any(f in name for f in ignored_fragments):
                 continue
             raise ValueError(f"{path}: checkpoint tensor {name!r} has no place in {type(model).__name__}")
         param = params[name]

@@ -3,6 +3,9 @@
 flash-attn's varlen kernel on CUDA when it is installed; elsewhere the stream is scattered into a padded
 (B, H, L, D) grid for torch's scaled_dot_product_attention and gathered back. Padding exists only inside
 this function. ``varlen_attention_reference`` is the plain per-sequence twin the tests compare against.
+
+``window`` restricts each query to keys at most that many positions away (sliding-window attention, as in
+ModernBERT's local layers and Mistral); with ``causal`` only the keys behind the query count.
 """
 
 from __future__ import annotations
@@ -27,9 +30,15 @@ def varlen_attention(
     batch: FlatBatch,
     causal: bool,
     scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q: (T, Hq, D), k/v: (T, Hkv, D) with Hq a multiple of Hkv -> (T, Hq, D)."""
+    """q: (T, Hq, D), k/v: (T, Hkv, D) with Hq a multiple of Hkv -> (T, Hq, D).
+
+    window: keys farther than this from the query (|i - j| > window) are masked; None for no limit.
+    """
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if window is not None and window >= batch.max_seqlen - 1:
+        window = None  # the window covers every sequence of this batch
     if flash_attn_varlen_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         return flash_attn_varlen_func(
             q,
@@ -41,9 +50,10 @@ def varlen_attention(
             batch.max_seqlen,
             softmax_scale=scale,
             causal=causal,
+            window_size=(-1, -1) if window is None else (window, 0 if causal else window),
         )
     gqa = q.shape[1] != k.shape[1]
-    if batch.num_seqs == 1:
+    if batch.num_seqs == 1 and window is None:
         # (1, H, T, D): no padding at all.
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],
@@ -63,12 +73,21 @@ def varlen_attention(
         return grid.view(b, L, x.shape[1], x.shape[2]).transpose(1, 2)  # (B, H, L, D)
 
     mask = key_valid[:, None, None, :]  # (B, 1, 1, L): True where a key is real
-    if causal:
-        mask = mask & torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    if causal or window is not None:
+        mask = mask & _allowed(L, causal, window, q.device)
     out = F.scaled_dot_product_attention(
         to_grid(q), to_grid(k), to_grid(v), attn_mask=mask, scale=scale, enable_gqa=gqa
     )
     return out.transpose(1, 2).reshape(b * L, q.shape[1], q.shape[2])[pad_index]
+
+
+def _allowed(n: int, causal: bool, window: int | None, device: torch.device) -> torch.Tensor:
+    """(n, n) bool: may query i attend to key j."""
+    offset = torch.arange(n, device=device)[:, None] - torch.arange(n, device=device)[None, :]  # i - j
+    allowed = offset >= 0 if causal else torch.ones(n, n, dtype=torch.bool, device=device)
+    if window is not None:
+        allowed = allowed & (offset.abs() <= window)
+    return allowed
 
 
 def varlen_attention_reference(
@@ -78,6 +97,7 @@ def varlen_attention_reference(
     cu_seqlens: torch.Tensor,
     causal: bool,
     scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One sequence at a time, softmax written out, in float32."""
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -89,8 +109,7 @@ def varlen_attention_reference(
         ks = k[s:e].float().repeat_interleave(group, dim=1).transpose(0, 1)
         vs = v[s:e].float().repeat_interleave(group, dim=1).transpose(0, 1)
         scores = qs @ ks.transpose(1, 2) * scale  # (H, n, n)
-        if causal:
-            n = e - s
-            scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        if causal or window is not None:
+            scores = scores.masked_fill(~_allowed(e - s, causal, window, scores.device), float("-inf"))
         out[s:e] = (scores.softmax(-1) @ vs).transpose(0, 1).to(q.dtype)
     return out
