@@ -237,7 +237,9 @@ class Engine:
             )
         n = len(inputs)
         limit = self.settings.max_concurrent_requests
-        if self.in_flight + n > limit:
+        # A request larger than the limit on its own is admitted when nothing else is in flight,
+        # so it is served rather than refused forever.
+        if self.in_flight and self.in_flight + n > limit:
             raise OverloadedError(
                 f"model {self.name} is at capacity ({self.in_flight} of {limit} inputs "
                 f"in progress); retry shortly"
