@@ -7,7 +7,7 @@ shard. (Not the meta device: materializing from meta makes new Parameters and dr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -59,7 +59,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
                 continue
             raise ValueError(f"{path}: checkpoint tensor {name!r} has no place in {type(model).__name__}")
         param = params[name]
-        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader: Callable[..., None] = getattr(param, "weight_loader", default_weight_loader)
         if shard is None:
             loader(param, tensor)
         else:
