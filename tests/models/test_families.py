@@ -137,15 +137,48 @@ class Served:
     info: dict
 
 
+class Launcher:
+    """Builds and starts the next case's server while the current one is tested: start-up is mostly imports,
+    which leave the second core idle. At most two servers run at once."""
+
+    def __init__(self, tmp_path_factory, sources):
+        self.tmp, self.sources = tmp_path_factory, sources
+        self.started: dict[str, tuple[Path, ServerProcess]] = {}
+
+    def start(self, tiny: Tiny) -> tuple[Path, ServerProcess]:
+        if tiny.name not in self.started:
+            path = build(tiny, self.tmp.mktemp(tiny.name), self.sources)
+            self.started[tiny.name] = (path, ServerProcess("--model", str(path), "--dtype", "float32"))
+        return self.started[tiny.name]
+
+    def stop(self, name: str) -> None:
+        if name in self.started:
+            self.started.pop(name)[1].stop()
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory, tokenizer_sources):
+    launcher = Launcher(tmp_path_factory, tokenizer_sources)
+    yield launcher
+    for name in list(launcher.started):
+        launcher.stop(name)
+
+
 @pytest.fixture(scope="module", params=CASES, ids=lambda t: t.name)
-def served(request, tmp_path_factory, tokenizer_sources):
+def served(request, launcher):
     tiny: Tiny = request.param
-    path = build(tiny, tmp_path_factory.mktemp(tiny.name), tokenizer_sources)
-    with ServerProcess("--model", str(path), "--dtype", "float32") as server:
+    path, server = launcher.start(tiny)
+    following = CASES.index(tiny) + 1
+    if following < len(CASES):
+        launcher.start(CASES[following])
+    try:
+        server.wait_healthy()
         inputs = texts()
         ours, body = embed(server.url, inputs)
         info = httpx.get(server.url + "/info").json()
         yield Served(tiny, path, server, inputs, ours, body, info)
+    finally:
+        launcher.stop(tiny.name)
 
 
 def reference(s: Served, inputs: list[str], prompt_name: str | None = None) -> np.ndarray:

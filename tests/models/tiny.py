@@ -149,7 +149,8 @@ def st_reference(path: Path, inputs: list[str], **encode_kwargs: Any) -> np.ndar
 def hf_reference(
     path: Path, ids: list[list[int]], pooling: str, normalize: bool, **config: Any
 ) -> np.ndarray:
-    """The transformers model run on each id sequence alone, then the given pooling, in float32."""
+    """The transformers model on the given id sequences (right-padded batches with an attention mask), then
+    the given pooling over each sequence's real tokens, in float32."""
     from transformers import AutoConfig, AutoModel
 
     cfg = AutoConfig.from_pretrained(str(path))
@@ -158,12 +159,18 @@ def hf_reference(
     model = AutoModel.from_pretrained(str(path), config=cfg, dtype=torch.float32).eval()
     out = []
     with torch.inference_mode():
-        for seq in ids:
-            hidden = model(torch.tensor([seq])).last_hidden_state[0]  # (L, H)
-            pooled = {"last": hidden[-1], "cls": hidden[0], "mean": hidden.mean(0)}[pooling]
-            if normalize:
-                pooled = torch.nn.functional.normalize(pooled, dim=-1)
-            out.append(pooled.numpy())
+        for start in range(0, len(ids), 16):
+            chunk = ids[start : start + 16]
+            width = max(len(seq) for seq in chunk)
+            input_ids = torch.tensor([seq + [0] * (width - len(seq)) for seq in chunk])
+            mask = torch.tensor([[1] * len(seq) + [0] * (width - len(seq)) for seq in chunk])
+            hidden = model(input_ids=input_ids, attention_mask=mask).last_hidden_state  # (B, L, H)
+            for row, seq in enumerate(chunk):
+                h = hidden[row, : len(seq)]
+                pooled = {"last": h[-1], "cls": h[0], "mean": h.mean(0)}[pooling]
+                if normalize:
+                    pooled = torch.nn.functional.normalize(pooled, dim=-1)
+                out.append(pooled.numpy())
     return np.stack(out).astype(np.float32)
 
 
