@@ -57,3 +57,9 @@ BATCH_TOKENS = Histogram(
     "embed_batch_tokens", "Tokens per batch.", ["model"], buckets=POWERS_OF_TWO, registry=REGISTRY
 )
 QUEUE_SIZE = Gauge("embed_queue_size", "Sequences waiting to be batched.", ["model"], registry=REGISTRY)
+INPUTS_IN_FLIGHT = Gauge(
+    "embed_inputs_in_flight",
+    "Inputs admitted and not yet answered (queued, tokenizing or running).",
+    ["model"],
+    registry=REGISTRY,
+)
