@@ -8,7 +8,6 @@ from collections import deque
 from embed_service.batching.policy import OldestFirst
 from embed_service.batching.sequence import RequestState, Sequence
 
-
 LOOP = asyncio.new_event_loop()  # futures need a loop; nothing runs on it
 
 
