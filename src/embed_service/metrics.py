@@ -63,3 +63,19 @@ INPUTS_IN_FLIGHT = Gauge(
     ["model"],
     registry=REGISTRY,
 )
+
+
+def declare_model(model: str) -> None:
+    """Create every per-model series at zero, so dashboards and alerts see them before the first request."""
+    for metric in (
+        INPUT_TOKENS,
+        REQUEST_DURATION,
+        QUEUE_DURATION,
+        TOKENIZATION_DURATION,
+        INFERENCE_DURATION,
+        BATCH_SIZE,
+        BATCH_TOKENS,
+        QUEUE_SIZE,
+        INPUTS_IN_FLIGHT,
+    ):
+        metric.labels(model)

@@ -94,6 +94,7 @@ class Engine:
         self.failure: str | None = None
         self.in_flight = 0
         self._in_flight_gauge = metrics.INPUTS_IN_FLIGHT.labels(self.name)
+        metrics.declare_model(self.name)
         self.group: WorkerGroup | None = None
         self.batcher: Batcher | None = None
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"tokenize-{self.name}")
