@@ -82,6 +82,8 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
     def fatal(self, reason: str) -> None:
+        if self.exit_code:
+            return  # reported already (a model and the app may both report one failure)
         log.error(
             "fatal: %s; exiting in %.0fs so the orchestrator restarts the server", reason, FATAL_EXIT_DELAY_S
         )

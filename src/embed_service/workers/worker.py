@@ -27,7 +27,30 @@ class WorkerConfig:
     dist_port: int
 
 
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent goes (Linux); a no-op elsewhere.
+
+    A server killed outright (SIGKILL, OOM killer) then leaves no worker behind, even one blocked in a
+    collective that would otherwise wait for its timeout.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import multiprocessing
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        os._exit(1)  # the parent went before the request took effect
+
+
 def worker_main(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
+    die_with_parent()
     try:
         _serve(rank, cfg, conn)
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
