@@ -85,3 +85,18 @@ def test_a_worker_that_cannot_load_fails_start_up_and_takes_the_others(default_m
         assert_all_exited(group)
     finally:
         group.close()
+
+
+def test_a_worker_killed_while_loading_does_not_leave_the_others_waiting(default_model_path):
+    group = WorkerGroup(config(default_model_path))
+    group.start()
+    try:
+        victim = group.pids[1]
+        os.kill(victim, signal.SIGKILL)  # rank 0 would wait for it in the process group's rendezvous
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDiedError, match=rf"worker 1 \(pid {victim}\) was killed by SIGKILL"):
+            group.wait_ready(lambda _: None)
+        assert time.monotonic() - t0 < 30  # not the rendezvous timeout (60 s)
+        assert_all_exited(group)
+    finally:
+        group.close()

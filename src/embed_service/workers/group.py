@@ -86,25 +86,17 @@ class WorkerGroup:
         threading.Thread(target=self._watch, name="worker-watch", daemon=True).start()
 
     def _wait_ready(self, on_log: Callable[[str], None]) -> None:
-        pending = dict(enumerate(self.conns))
+        pending = dict(enumerate(self.conns))  # rank -> pipe, for the ranks not ready yet
         info: dict[int, dict] = {}
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs)}
         while pending:
-            ready = wait(list(pending.values()) + list(sentinels))
-            for obj in ready:
-                if obj in sentinels and sentinels[obj] in pending:
-                    rank = sentinels[obj]
-                    if pending[rank].poll():
-                        continue  # read its last message (a "fatal" traceback) first
-                    p = self.procs[rank]
-                    p.join(1)
-                    raise WorkerDiedError(describe_exit(rank, p.pid, p.exitcode) + " while loading")
+            for obj in wait([*pending.values(), *sentinels]):
                 if isinstance(obj, Connection):
                     rank = self.conns.index(obj)
                     try:
                         msg = obj.recv()
-                    except EOFError:
-                        continue  # the sentinel reports the exit code
+                    except EOFError:  # it is exiting without a word
+                        raise self._exited(rank) from None
                     if msg[0] == "log":
                         on_log(msg[1])
                     elif msg[0] == "ready":
@@ -112,7 +104,17 @@ class WorkerGroup:
                         del pending[rank]
                     elif msg[0] == "fatal":
                         raise WorkerDiedError(f"worker {rank} failed while loading:\n{msg[1]}")
+                else:  # a worker exited, ready or not: the others cannot finish
+                    rank = sentinels[obj]
+                    if rank in pending and pending[rank].poll():
+                        continue  # read its last message (a "fatal" traceback) first
+                    raise self._exited(rank)
         self.rank_info = [info[r] for r in range(len(self.procs))]
+
+    def _exited(self, rank: int) -> WorkerDiedError:
+        p = self.procs[rank]
+        p.join(5)
+        return WorkerDiedError(describe_exit(rank, p.pid, p.exitcode) + " while loading")
 
     def _watch(self) -> None:
         ready = wait([p.sentinel for p in self.procs])
@@ -190,11 +192,17 @@ class WorkerGroup:
     def close(self, timeout: float = 10.0) -> None:
         """Stop every rank: ask politely, then kill what is left after `timeout` seconds."""
         self._closing = True
-        for conn in self.conns:
+        # Not while a batch is being sent (two writers would interleave on a pipe); a batch stuck past
+        # the timeout is ended by the kill below.
+        if self._lock.acquire(timeout=timeout):
             try:
-                conn.send(("stop",))
-            except Exception:
-                pass
+                for conn in self.conns:
+                    try:
+                        conn.send(("stop",))
+                    except Exception:
+                        pass
+            finally:
+                self._lock.release()
         for p in self.procs:
             p.join(timeout)
             if p.is_alive():
