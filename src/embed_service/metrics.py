@@ -57,3 +57,25 @@ BATCH_TOKENS = Histogram(
     "embed_batch_tokens", "Tokens per batch.", ["model"], buckets=POWERS_OF_TWO, registry=REGISTRY
 )
 QUEUE_SIZE = Gauge("embed_queue_size", "Sequences waiting to be batched.", ["model"], registry=REGISTRY)
+INPUTS_IN_FLIGHT = Gauge(
+    "embed_inputs_in_flight",
+    "Inputs admitted and not yet answered (queued, tokenizing or running).",
+    ["model"],
+    registry=REGISTRY,
+)
+
+
+def declare_model(model: str) -> None:
+    """Create every per-model series at zero, so dashboards and alerts see them before the first request."""
+    for metric in (
+        INPUT_TOKENS,
+        REQUEST_DURATION,
+        QUEUE_DURATION,
+        TOKENIZATION_DURATION,
+        INFERENCE_DURATION,
+        BATCH_SIZE,
+        BATCH_TOKENS,
+        QUEUE_SIZE,
+        INPUTS_IN_FLIGHT,
+    ):
+        metric.labels(model)

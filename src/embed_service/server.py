@@ -42,7 +42,8 @@ def build_engine(settings: Settings) -> Engine:
         path = Path(settings.model).expanduser()
         if not path.is_dir():
             raise SystemExit(f"--model {settings.model}: no such directory")
-        names = settings.served_model_name or [path.resolve().name]
+        # The name as the user wrote it (a symlink's own name), else the resolved folder's ("." -> its name).
+        names = settings.served_model_name or [path.name or path.resolve().name]
     else:
         path = default_model_path()
         names = settings.served_model_name or [DEFAULT_MODEL_NAME]

@@ -96,6 +96,8 @@ class Engine:
         self.state = "loading"  # loading -> ready -> draining | failed
         self.failure: str | None = None
         self.in_flight = 0
+        self._in_flight_gauge = metrics.INPUTS_IN_FLIGHT.labels(self.name)
+        metrics.declare_model(self.name)
         self.group: WorkerGroup | None = None
         self.batcher: Batcher | None = None
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"tokenize-{self.name}")
@@ -225,16 +227,20 @@ class Engine:
             )
         n = len(inputs)
         limit = self.settings.max_concurrent_requests
-        if self.in_flight + n > limit:
+        # A request larger than the limit on its own is admitted when nothing else is in flight,
+        # so it is served rather than refused forever.
+        if self.in_flight and self.in_flight + n > limit:
             raise OverloadedError(
                 f"model {self.name} is at capacity ({self.in_flight} of {limit} inputs "
                 f"in progress); retry shortly"
             )
         self.in_flight += n
+        self._in_flight_gauge.set(self.in_flight)
         self._idle.clear()
         try:
             seqs_ids = await self.tokenize(inputs, opts)
-            self._check_ready()
+            if self.state == "failed":  # a drain still finishes what it admitted; a dead worker cannot
+                self._check_ready()
             assert self.batcher is not None
             loop = asyncio.get_running_loop()
             state = RequestState()
@@ -252,6 +258,7 @@ class Engine:
             return EmbedResult(vectors, tokens)
         finally:
             self.in_flight -= n
+            self._in_flight_gauge.set(self.in_flight)
             if self.in_flight == 0:
                 self._idle.set()
 

@@ -35,7 +35,8 @@ def pool_max(hidden: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     out = torch.full(
         (lens.numel(), hidden.shape[1]), float("-inf"), dtype=torch.float32, device=hidden.device
     )
-    return out.index_reduce_(0, seg, hidden.float(), "amax", include_self=True)
+    index = seg[:, None].expand(-1, hidden.shape[1])
+    return out.scatter_reduce_(0, index, hidden.float(), "amax", include_self=True)
 
 
 POOLERS = {

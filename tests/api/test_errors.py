@@ -1,0 +1,191 @@
+"""Every bad input gets a clear 4xx in the OpenAI error shape, and the server keeps serving."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server import ServerProcess
+
+KEY = "test-secret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess(
+        "--dtype", "float32", "--api-key", KEY, "--max-client-batch-size", "8", "--max-request-bytes", "4096"
+    ) as s:
+        yield s
+
+
+def post(server, body=None, *, content=None, path="/v1/embeddings", headers=AUTH):
+    return httpx.post(server.url + path, json=body, content=content, headers=headers, timeout=60)
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+    assert "Traceback" not in err["message"]
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({}, "input"),
+        ({"input": None}, "input"),
+        ({"input": []}, "input"),
+        ({"input": ""}, "input"),
+        ({"input": ["ok", ""]}, "input"),
+        ({"input": 42}, "input"),
+        ({"input": {"text": "x"}}, "input"),
+        ({"input": ["a", 1]}, "input"),
+        ({"input": [1, "a"]}, "input"),
+        ({"input": [[1, 2], "a"]}, "input"),
+        ({"input": [[]]}, "input"),
+        ({"input": [True, False]}, "input"),
+        ({"input": [1.5, 2.5]}, "input"),
+        ({"input": "x", "encoding_format": "hex"}, "encoding_format"),
+        ({"input": "x", "dimensions": 0}, "dimensions"),
+        ({"input": "x", "dimensions": 385}, "dimensions"),
+        ({"input": "x", "dimensions": "8"}, "dimensions"),
+        ({"input": "x", "truncate": "yes"}, "truncate"),
+        ({"input": "x", "truncation_direction": "middle"}, "truncation_direction"),
+        ({"input": "x", "normalize": 1}, "normalize"),
+        ({"input": ["x"] * 9}, "input"),  # past --max-client-batch-size 8
+        ({"input": [[101, 30522, 102]]}, "input"),  # outside the vocabulary
+        ({"input": [[101, -1, 102]]}, "input"),
+        ({"input": "word " * 600, "truncate": False}, "input"),
+    ],
+)
+def test_invalid_request_is_400(server, body, param):
+    err = assert_error(post(server, body), 400, param)
+    assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"", b"[1, 2]", b'"text"', b"\xff\xfe"])
+def test_malformed_body_is_400(server, content):
+    r = post(server, content=content, headers={**AUTH, "Content-Type": "application/json"})
+    assert_error(r, 400)
+
+
+def test_token_ids_past_the_max_length_with_truncation_off_are_400(server):
+    assert_error(post(server, {"input": [[101] + [2000] * 300 + [102]], "truncate": False}), 400, "input")
+    assert post(server, {"input": [[101] + [2000] * 300 + [102]]}).status_code == 200  # truncated by default
+
+
+def test_auth(server):
+    assert_error(post(server, {"input": "x"}, headers={}), 401)
+    assert_error(post(server, {"input": "x"}, headers={"Authorization": "Bearer wrong"}), 401)
+    assert_error(httpx.get(server.url + "/v1/models"), 401)
+    assert post(server, {"input": "x"}).status_code == 200
+    for open_path in ("/live", "/health", "/metrics"):
+        assert httpx.get(server.url + open_path).status_code == 200
+
+
+def test_unknown_model_is_404(server):
+    err = assert_error(post(server, {"input": "x", "model": "gpt-4"}), 404, "model")
+    assert "all-MiniLM-L6-v2" in err["message"]
+    assert_error(post(server, {"input": ["x"], "model": "nope"}, path="/tokenize"), 404, "model")
+
+
+def test_unknown_route_is_404_and_wrong_method_is_405(server):
+    assert_error(httpx.get(server.url + "/v1/nothing", headers=AUTH), 404)
+    assert_error(httpx.get(server.url + "/v1/embeddings", headers=AUTH), 405)
+    assert_error(httpx.put(server.url + "/tokenize", headers=AUTH, json={}), 405)
+
+
+def test_oversized_body_is_413(server):
+    body = {"input": ["x" * 5000]}
+    assert_error(post(server, body), 413)
+    # Without a Content-Length header (chunked), the limit holds while reading.
+    chunks = iter([b'{"input": ["', b"y" * 3000, b"z" * 3000, b'"]}'])
+    r = httpx.post(
+        server.url + "/v1/embeddings", content=chunks, headers={**AUTH, "Content-Type": "application/json"}
+    )
+    assert_error(r, 413)
+
+
+def test_never_422_and_server_keeps_serving(server):
+    """Random malformed bodies: all answered 200 or 400, never a raw FastAPI 422 or a 500."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    values = st.recursive(
+        st.none()
+        | st.booleans()
+        | st.integers(-5, 40000)
+        | st.floats(allow_nan=False, allow_infinity=False)
+        | st.text(max_size=20),
+        lambda inner: st.lists(inner, max_size=4),
+        max_leaves=8,
+    )
+    bodies = st.fixed_dictionaries(
+        {},
+        optional={
+            "input": values,
+            "model": values,
+            "encoding_format": values,
+            "dimensions": values,
+            "truncate": values,
+            "normalize": values,
+        },
+    )
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(bodies)
+    def check(body):
+        r = post(server, body)
+        assert r.status_code in (200, 400, 404), r.text
+        if r.status_code != 200:
+            assert_error(r, r.status_code)
+
+    check()
+    assert post(server, {"input": "still serving"}).status_code == 200
+
+
+def queued(server) -> bool:
+    text = httpx.get(server.url + "/metrics").text
+    return any(
+        line.startswith("embed_queue_size{") and float(line.split()[-1]) > 0 for line in text.splitlines()
+    )
+
+
+def test_429_past_max_concurrent_requests_with_retry_after():
+    # One sequence per batch makes a 16-input request take a while; meanwhile the limit of 16 is full.
+    with ServerProcess(
+        "--dtype", "float32", "--max-concurrent-requests", "16", "--max-batch-requests", "1"
+    ) as s:
+        big = {"input": ["a long input to keep the worker busy " * 10] * 16}
+        done: dict = {}
+        t = threading.Thread(
+            target=lambda: done.setdefault("r", httpx.post(s.url + "/v1/embeddings", json=big, timeout=300))
+        )
+        t.start()
+        deadline = time.monotonic() + 60
+        while not queued(s) and t.is_alive() and time.monotonic() < deadline:  # the big one is admitted
+            time.sleep(0.005)
+        rejected = None
+        deadline = time.monotonic() + 60
+        while rejected is None and t.is_alive() and time.monotonic() < deadline:
+            r = httpx.post(s.url + "/v1/embeddings", json={"input": "one more"}, timeout=60)
+            if r.status_code == 429:
+                rejected = r
+            time.sleep(0.01)
+        t.join()
+        assert rejected is not None, "no request was refused while the limit was full"
+        err = assert_error(rejected, 429)
+        assert err["type"] == "rate_limit_error"
+        assert int(rejected.headers["Retry-After"]) >= 1
+        assert done["r"].status_code == 200 and len(done["r"].json()["data"]) == 16
+        assert httpx.post(s.url + "/v1/embeddings", json={"input": "after"}).status_code == 200
