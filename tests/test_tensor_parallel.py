@@ -118,48 +118,51 @@ def start_all(*servers: ServerProcess) -> None:
         raise
 
 
-@pytest.fixture(scope="module")
-def bert_dir(tmp_path_factory, default_model_path) -> Path:
-    return tiny_bert(tmp_path_factory.mktemp("tiny-bert"), default_model_path)
+# Tiny random models, one per architecture: (folder, default model folder) -> the folder, ready to serve.
+ARCHITECTURES = {"bert": tiny_bert}
 
 
-@pytest.fixture(scope="module")
-def bert_servers(bert_dir) -> Iterator[tuple[ServerProcess, ServerProcess]]:
-    """The tiny BERT at TP=1 and at TP=2, fp32."""
-    args = ("--model", str(bert_dir), "--dtype", "float32")
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def tp_pair(
+    request, tmp_path_factory, default_model_path
+) -> Iterator[tuple[str, ServerProcess, ServerProcess]]:
+    """One tiny model served at TP=1 and at TP=2, fp32."""
+    name = request.param
+    folder = ARCHITECTURES[name](tmp_path_factory.mktemp(name), default_model_path)
+    args = ("--model", str(folder), "--dtype", "float32")
     tp1 = ServerProcess(*args)
     tp2 = ServerProcess(*args, "--tensor-parallel-size", "2")
     start_all(tp1, tp2)
-    yield tp1, tp2
+    yield name, tp1, tp2
     tp1.stop()
     tp2.stop()
 
 
-def test_tp2_equals_tp1_bert(bert_servers):
-    tp1, tp2 = bert_servers
+def test_tp2_equals_tp1(tp_pair):
+    name, tp1, tp2 = tp_pair
     assert info(tp2)["tensor_parallel_size"] == 2
     want = embed(tp1, TEXTS, normalize=False)  # raw pooled vectors: no normalization to hide a scale error
     got = embed(tp2, TEXTS, normalize=False)
     diff = float(np.abs(got - want).max())
-    print(f"BERT TP=2 vs TP=1: max abs difference {diff:.3g} over {want.size} elements")
+    print(f"{name} TP=2 vs TP=1: max abs difference {diff:.3g} over {want.size} elements")
     assert diff <= 1e-5
     assert np.abs(want).max() > 0.1  # the vectors carry signal, not near-zero noise
 
 
-def test_each_rank_holds_about_half_the_weights_bert(bert_servers):
-    tp1, tp2 = bert_servers
+def test_each_rank_holds_about_half_the_weights(tp_pair):
+    name, tp1, tp2 = tp_pair
     (whole,) = info(tp1)["parameter_bytes_per_rank"]
     per_rank = info(tp2)["parameter_bytes_per_rank"]
-    print(f"BERT parameter bytes: TP=1 {whole}, TP=2 per rank {per_rank}")
+    print(f"{name} parameter bytes: TP=1 {whole}, TP=2 per rank {per_rank}")
     assert len(per_rank) == 2
     for b in per_rank:
         # Half of the sharded weights plus the small replicated ones (norms, positions, biases).
         assert 0.5 * whole < b < 0.55 * whole
 
 
-def test_sigterm_stops_every_worker(bert_servers):
-    """Runs last on this module's servers: SIGTERM drains, exits 0, and takes the workers with it."""
-    _, tp2 = bert_servers
+def test_sigterm_stops_every_worker(tp_pair):
+    """Runs last on each pair of servers: SIGTERM drains, exits 0, and takes the workers with it."""
+    _, _, tp2 = tp_pair
     workers = workers_of(tp2)
     assert len(workers) >= 2
     assert tp2.stop(signal.SIGTERM) == 0, tp2.output()
