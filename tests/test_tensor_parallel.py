@@ -160,8 +160,17 @@ def test_each_rank_holds_about_half_the_weights(tp_pair):
         assert 0.5 * whole < b < 0.55 * whole
 
 
+def test_server_killed_outright_leaves_no_worker(tp_pair):
+    """The server cannot stop its workers when it is SIGKILLed; the kernel does (parent-death signal)."""
+    _, tp1, _ = tp_pair
+    workers = workers_of(tp1)
+    assert workers
+    tp1.stop(signal.SIGKILL)
+    assert_none_left(workers)
+
+
 def test_sigterm_stops_every_worker(tp_pair):
-    """Runs last on each pair of servers: SIGTERM drains, exits 0, and takes the workers with it."""
+    """Runs last on each pair: SIGTERM drains, exits 0, and takes the workers with it."""
     _, _, tp2 = tp_pair
     workers = workers_of(tp2)
     assert len(workers) >= 2
@@ -169,20 +178,21 @@ def test_sigterm_stops_every_worker(tp_pair):
     assert_none_left(workers)
 
 
-def test_default_model_tp2_matches_sentence_transformers(default_model_path):
+@pytest.fixture(scope="module")
+def default_tp2() -> Iterator[ServerProcess]:
+    """The packaged default model at TP=2, fp32; the last test to use it kills one of its workers."""
+    server = ServerProcess("--dtype", "float32", "--tensor-parallel-size", "2")
+    try:
+        yield server.wait_healthy()
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+def test_default_model_tp2_matches_sentence_transformers(default_tp2, default_model_path):
     from sentence_transformers import SentenceTransformer
 
     texts = read_corpus("queries.jsonl", 60) + read_corpus("passages.jsonl", 40)
-    server = ServerProcess("--dtype", "float32", "--tensor-parallel-size", "2")
-    try:
-        server.wait_healthy()
-        got = embed(server, texts)
-        workers = workers_of(server)
-        # Killed outright, the server cannot stop its workers; the kernel does (parent-death signal).
-        server.stop(signal.SIGKILL)
-        assert_none_left(workers)
-    finally:
-        server.stop(signal.SIGKILL)
+    got = embed(default_tp2, texts)
     ref = SentenceTransformer(str(default_model_path), device="cpu")
     want = ref.encode(texts, batch_size=32, convert_to_numpy=True, normalize_embeddings=True)
     cos = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
@@ -235,55 +245,64 @@ def _client_loop(url: str, texts: list[str], stop: threading.Event, out: list[Ou
                 return
 
 
-@pytest.mark.parametrize("rank", [1, 0])
-def test_worker_killed_under_load(rank):
+def check_worker_killed_under_load(server: ServerProcess, rank: int) -> None:
+    """SIGKILL one worker while clients keep the server busy; every answer is a 200 or a clear 503."""
+    workers = workers_of(server)
+    victim = info(server)["worker_pids"][rank]
+    passages = read_corpus("passages.jsonl", 4)
+    stop = threading.Event()
+    outcomes: list[list[Outcome]] = [[] for _ in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        for o in outcomes:
+            pool.submit(_client_loop, server.url, passages, stop, o)
+        deadline = time.monotonic() + 60
+        while not any(o.status == 200 for per in outcomes for o in per) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)  # serving steadily: batches are in flight
+        killed_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        unhealthy_at, health = None, None
+        while unhealthy_at is None and time.monotonic() - killed_at < 10:
+            r = httpx.get(server.url + "/health", timeout=5)
+            if r.status_code == 503:
+                unhealthy_at, health = time.monotonic(), r.json()
+            time.sleep(0.01)
+        # New requests keep coming for a second after the death; then the clients stop.
+        time.sleep(max(0.0, killed_at + 1.0 - time.monotonic()))
+        stop.set()
+    code = server.proc.wait(30)
+    exited_at = time.monotonic()
+    assert unhealthy_at is not None, server.output()
+    print(
+        f"worker {rank} SIGKILL: /health 503 after {unhealthy_at - killed_at:.3f}s, "
+        f"exit code {code} after {exited_at - killed_at:.2f}s"
+    )
+    assert unhealthy_at - killed_at <= 5
+    assert health == {"status": "unhealthy", "reason": f"worker {rank} (pid {victim}) was killed by SIGKILL"}
+    assert code != 0
+    assert exited_at - killed_at <= 15
+    done = [o for per_client in outcomes for o in per_client]
+    assert any(o.status == 200 for o in done)  # it served before the death
+    assert any(o.start < killed_at < o.end for o in done)  # and had requests in flight
+    for o in done:
+        assert o.status in (200, 503), (o, server.output())
+        if o.end > killed_at:
+            assert o.end - max(o.start, killed_at) <= 5, o  # answered within 5 s of the death
+        if o.start > killed_at:
+            assert o.status == 503, o
+        if o.status == 503:
+            assert f"worker {rank} (pid {victim}) was killed by SIGKILL" in o.message, o
+    assert any(o.status == 503 and o.start > killed_at for o in done)  # new requests were refused
+    assert_none_left(workers)
+
+
+def test_worker_1_killed_under_load(default_tp2):
+    check_worker_killed_under_load(default_tp2, rank=1)
+
+
+def test_worker_0_killed_under_load():
     server = ServerProcess("--dtype", "float32", "--tensor-parallel-size", "2")
     try:
-        server.wait_healthy()
-        workers = workers_of(server)
-        victim = info(server)["worker_pids"][rank]
-        passages = read_corpus("passages.jsonl", 4)
-        stop = threading.Event()
-        outcomes: list[list[Outcome]] = [[] for _ in range(4)]
-        with ThreadPoolExecutor(4) as pool:
-            for o in outcomes:
-                pool.submit(_client_loop, server.url, passages, stop, o)
-            deadline = time.monotonic() + 60
-            while not any(o.status == 200 for per in outcomes for o in per) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            time.sleep(0.2)  # serving steadily: batches are in flight
-            killed_at = time.monotonic()
-            os.kill(victim, signal.SIGKILL)
-            unhealthy_at = None
-            while unhealthy_at is None and time.monotonic() - killed_at < 10:
-                if httpx.get(server.url + "/health", timeout=5).status_code == 503:
-                    unhealthy_at = time.monotonic()
-                time.sleep(0.01)
-            # New requests keep coming for a second after the death; then the clients stop.
-            time.sleep(max(0.0, killed_at + 1.0 - time.monotonic()))
-            stop.set()
-        code = server.proc.wait(30)
-        exited_at = time.monotonic()
-        assert unhealthy_at is not None, server.output()
-        print(
-            f"worker {rank} SIGKILL: /health 503 after {unhealthy_at - killed_at:.3f}s, "
-            f"exit code {code} after {exited_at - killed_at:.2f}s"
-        )
-        assert unhealthy_at - killed_at <= 5
-        assert code != 0
-        assert exited_at - killed_at <= 15
-        done = [o for per_client in outcomes for o in per_client]
-        assert any(o.status == 200 for o in done)  # it served before the death
-        assert any(o.start < killed_at < o.end for o in done)  # and had requests in flight
-        for o in done:
-            assert o.status in (200, 503), (o, server.output())
-            if o.end > killed_at:
-                assert o.end - max(o.start, killed_at) <= 5, o  # answered within 5 s of the death
-            if o.start > killed_at:
-                assert o.status == 503, o
-            if o.status == 503:
-                assert f"worker {rank} (pid {victim}) was killed by SIGKILL" in o.message, o
-        assert any(o.status == 503 and o.start > killed_at for o in done)  # new requests were refused
-        assert_none_left(workers)
+        check_worker_killed_under_load(server.wait_healthy(), rank=0)
     finally:
         server.stop(signal.SIGKILL)
