@@ -83,6 +83,14 @@ def info(server: ServerProcess) -> dict:
     return httpx.get(server.url + "/info", timeout=10).json()
 
 
+def metric(server: ServerProcess, name: str) -> float:
+    total = 0.0
+    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith((name + "{", name + " ")):
+            total += float(line.split()[-1])
+    return total
+
+
 def workers_of(server: ServerProcess) -> list[psutil.Process]:
     return psutil.Process(server.proc.pid).children(recursive=True)
 
@@ -169,12 +177,20 @@ def test_server_killed_outright_leaves_no_worker(tp_pair):
     assert_none_left(workers)
 
 
-def test_sigterm_stops_every_worker(tp_pair):
-    """Runs last on each pair: SIGTERM drains, exits 0, and takes the workers with it."""
+def test_sigterm_to_the_process_group_drains_and_stops_every_worker(tp_pair):
+    """Runs last on each pair. SIGTERM to the whole process group, as Ctrl-C in a terminal or systemd sends
+    it: the workers leave stopping to the server, which finishes the admitted requests, exits 0 and takes
+    the workers with it."""
     _, _, tp2 = tp_pair
     workers = workers_of(tp2)
     assert len(workers) >= 2
-    assert tp2.stop(signal.SIGTERM) == 0, tp2.output()
+    with ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(embed, tp2, TEXTS * 8)  # embed() asserts a 200
+        while metric(tp2, "embed_inputs_in_flight") == 0 and not busy.done():
+            time.sleep(0.005)  # until it is admitted
+        os.killpg(tp2.proc.pid, signal.SIGTERM)
+        busy.result()
+    assert tp2.proc.wait(30) == 0, tp2.output()
     assert_none_left(workers)
 
 

@@ -8,6 +8,7 @@ per batch. A parent that goes away closes the pipe, and the worker exits.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import traceback
@@ -37,7 +38,6 @@ def die_with_parent() -> None:
         return
     import ctypes
     import multiprocessing
-    import signal
 
     PR_SET_PDEATHSIG = 1
     try:
@@ -50,6 +50,11 @@ def die_with_parent() -> None:
 
 
 def worker_main(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
+    # The server decides when its workers stop ("stop", or its pipe closing). A signal sent to the whole
+    # process group (Ctrl-C in a terminal, systemd stopping a unit's control group) must start the
+    # server's drain, not kill the workers under the requests it is finishing.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     die_with_parent()
     try:
         _serve(rank, cfg, conn)
