@@ -140,7 +140,13 @@ def test_sharded_layers_equal_unsharded(world_size):
     if world_size == 1:
         _check_rank(0, 1, 0)  # no process group: here, in this process
         return
-    mp.spawn(_check_rank, args=(world_size, _free_port()), nprocs=world_size, join=True)
+    # forkserver: torch and this module are imported once, in the server, rather than once per rank.
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload([__name__])
+    mp.start_processes(
+        _check_rank, args=(world_size, _free_port()), nprocs=world_size, join=True, start_method="forkserver"
+    )
 
 
 @pytest.fixture
