@@ -150,10 +150,11 @@ class WorkerGroup:
                 return
             self.dead_reason = reason
         log.error("%s; killing the other workers; the model cannot serve", reason)
-        self._kill_all()
+        self._kill_all(join=False)
         self._dead.set()
         if self.on_death and not self._closing:
             self.on_death(reason)
+        self._kill_all()  # reap them
 
     def run(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """(T,) int32 token ids, (B,) int32 lengths -> (B, D) float32 pooled vectors. Blocking.
@@ -181,13 +182,14 @@ class WorkerGroup:
             self._die(f"worker 0 failed during a batch: {msg[1]}")
         raise WorkerDiedError(self.dead_reason)
 
-    def _kill_all(self) -> None:
+    def _kill_all(self, join: bool = True) -> None:
         # Killing every rank closes their pipe ends, so a batch blocked on a result gets EOF at once.
         for p in self.procs:
             if p.is_alive():
                 p.kill()
-        for p in self.procs:
-            p.join(5)
+        if join:
+            for p in self.procs:
+                p.join(5)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop every rank: ask politely, then kill what is left after `timeout` seconds."""
