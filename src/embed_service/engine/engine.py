@@ -28,8 +28,9 @@ from embed_service.engine.tokenizer import (
     Truncation,
 )
 from embed_service.models.spec import ModelSpec
-from embed_service.workers.device import available_cores, resolve_device, resolve_dtype
-from embed_service.workers.group import WorkerGroup, free_port
+from embed_service.parallel import check_shardable
+from embed_service.workers.device import available_cores, check_world_size, resolve_device, resolve_dtype
+from embed_service.workers.group import WorkerDiedError, WorkerGroup, free_port
 from embed_service.workers.worker import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,8 @@ class Engine:
         self.device = resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, self.device)
         tp = settings.tensor_parallel_size
+        check_shardable(spec.config, tp)  # before any worker starts: fail fast, naming the numbers
+        check_world_size(self.device, tp)
         self.num_threads = settings.num_threads or max(1, available_cores() // tp)
         self.worker_config = WorkerConfig(
             str(spec.path),
@@ -192,10 +195,8 @@ class Engine:
         assert self.group is not None
         try:
             out = self.group.run(ids, lengths)
-        except RuntimeError as exc:
-            if self.group.dead_reason:
-                raise NotReadyError(f"model {self.name} is unavailable: {self.group.dead_reason}") from exc
-            raise
+        except WorkerDiedError as exc:
+            raise NotReadyError(f"model {self.name} is unavailable: {exc}") from None
         return [Pooled(row) for row in out]
 
     def truncation(self, opts: EmbedOptions) -> Truncation:
@@ -301,4 +302,5 @@ class Engine:
             "parameter_bytes_per_rank": [r["parameter_bytes"] for r in self.group.rank_info]
             if self.group
             else [],
+            "worker_pids": [r["pid"] for r in self.group.rank_info] if self.group else [],
         }
