@@ -257,6 +257,10 @@ def run_all(args: argparse.Namespace, corpus: dict[str, list[str]], servers: dic
         runs.setdefault(key, []).append(value)
         log(f"{key}: {value['texts_per_s']:.1f} texts/s")
 
+    def span(c: str, shape: dict[str, int]) -> float:
+        # A bulk passages request is ~5k tokens: give the run time to finish a fair number of them.
+        return args.duration * (2 if c == "passages" and shape is BULK else 1)
+
     jobs: list[tuple[str, Any]] = []
     for c, texts in corpus.items():
         jobs.append((f"st|encode|{c}", lambda texts=texts: st.run(texts)))
@@ -265,22 +269,22 @@ def run_all(args: argparse.Namespace, corpus: dict[str, list[str]], servers: dic
                 jobs.append(
                     (
                         f"ours|{shape_name}-{fmt}|{c}",
-                        lambda t=texts, s=shape, f=fmt: load_run(ours.url, t, s, f, args.duration),
+                        lambda t=texts, s=shape, f=fmt, d=span(c, shape): load_run(ours.url, t, s, f, d),
                     )
                 )
             if "infinity" in servers:
                 jobs.append(
                     (
                         f"infinity|{shape_name}-float|{c}",
-                        lambda t=texts, s=shape: load_run(
-                            servers["infinity"].url, t, s, "float", args.duration
+                        lambda t=texts, s=shape, d=span(c, shape): load_run(
+                            servers["infinity"].url, t, s, "float", d
                         ),
                     )
                 )
         jobs.append(
             (
                 f"ours-exact|bulk-float|{c}",
-                lambda t=texts: load_run(exact.url, t, BULK, "float", args.duration),
+                lambda t=texts, d=span(c, BULK): load_run(exact.url, t, BULK, "float", d),
             )
         )
     for r in range(args.rounds):
@@ -306,7 +310,8 @@ def run_all(args: argparse.Namespace, corpus: dict[str, list[str]], servers: dic
     log("matmul bound")
     with open(model_path() / "config.json") as f:
         config = json.load(f)
-    threads = int(info.get("num_threads") or os.cpu_count() or 1)
+    # The bound for the whole server: every replica's threads together.
+    threads = int(info.get("num_threads") or 1) * int(info.get("data_parallel_size") or 1)
     shape = (4096, config["hidden_size"], config["intermediate_size"])
     rate = matmul_rate(*shape, threads)
     return {
