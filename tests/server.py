@@ -13,7 +13,11 @@ from pathlib import Path
 
 import httpx
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+# The shared material sits beside the checkout (a worktree may sit one level deeper).
+SHARED = next(
+    (d / "shared" for d in Path(__file__).resolve().parents if (d / "shared" / "bench").is_dir()),
+    Path(__file__).resolve().parents[2] / "shared",
+)
 CORPUS = SHARED / "bench" / "corpus"
 
 

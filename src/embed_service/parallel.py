@@ -6,6 +6,8 @@ Layers ask here for their shard; a worker sets it once, before the model is buil
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -16,6 +18,30 @@ _world_size = 1
 def set_tensor_parallel(rank: int, world_size: int) -> None:
     global _rank, _world_size
     _rank, _world_size = rank, world_size
+
+
+def check_shardable(config: dict[str, Any], world_size: int) -> None:
+    """Refuse, naming the numbers, a model whose split dimensions do not divide by the world size.
+
+    Reads the Hugging Face config only (no weights, no torch model code), so a server checks before it
+    starts any worker. Query heads, key/value heads and the MLP's intermediate size are split across
+    ranks; the vocabulary is padded instead, so it need not divide.
+    """
+    if world_size == 1:
+        return
+    heads = config.get("num_attention_heads")
+    kv_heads = config.get("num_key_value_heads")
+    checks = [
+        ("query heads", heads),
+        ("key/value heads", kv_heads if kv_heads != heads else None),  # unset: as many as query heads
+        ("intermediate size", config.get("intermediate_size")),
+    ]
+    problems = [f"{what} ({n})" for what, n in checks if isinstance(n, int) and n % world_size]
+    if problems:
+        raise ValueError(
+            f"cannot split the model over --tensor-parallel-size {world_size}: "
+            f"{' and '.join(problems)} must divide by {world_size}"
+        )
 
 
 def tp_rank() -> int:

@@ -23,6 +23,7 @@ from embed_service.models.spec import load_spec
 log = logging.getLogger("embed_service")
 
 FATAL_EXIT_DELAY_S = 2.0  # long enough for the 503s of failed requests to go out
+FATAL_GRACE_S = 5  # then at most this long for open connections to finish
 
 
 def default_model_path() -> Path:
@@ -83,10 +84,15 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
     def fatal(self, reason: str) -> None:
+        if self.exit_code:
+            return  # reported already (a model and the app may both report one failure)
         log.error(
             "fatal: %s; exiting in %.0fs so the orchestrator restarts the server", reason, FATAL_EXIT_DELAY_S
         )
         self.exit_code = 1
+        # Every waiting request has failed already: bound the wait for open connections, so the exit
+        # comes within seconds of the failure whatever the clients do.
+        self.config.timeout_graceful_shutdown = FATAL_GRACE_S
         asyncio.get_event_loop().call_later(FATAL_EXIT_DELAY_S, setattr, self, "should_exit", True)
 
 

@@ -127,7 +127,14 @@ async def embeddings(request: Request, _: Authorized) -> Response:
     limit = server(request).settings.max_client_batch_size
     if len(body.input) > limit:
         raise invalid_request(f"{len(body.input)} inputs in one request; the limit is {limit}", "input")
-    opts = EmbedOptions(body.truncate, body.truncation_direction, body.normalize, body.dimensions)
+    opts = EmbedOptions(
+        body.truncate,
+        body.truncation_direction,
+        body.normalize,
+        body.dimensions,
+        body.prompt_name,
+        body.prompt,
+    )
     result = await until_disconnect(request, engine.embed(body.input, opts))
     vectors = result.embeddings  # (n, d) float32
     if body.encoding_format == "base64":
@@ -152,7 +159,10 @@ async def embeddings(request: Request, _: Authorized) -> Response:
 async def tokenize(request: Request, _: Authorized) -> Response:
     body = await read_json(request, TokenizeRequest)
     engine = serving(request, body.model)
-    ids = await engine.tokenize(body.input, EmbedOptions(body.truncate, body.truncation_direction))
+    opts = EmbedOptions(
+        body.truncate, body.truncation_direction, prompt_name=body.prompt_name, prompt=body.prompt
+    )
+    ids = await engine.tokenize(body.input, opts)
     return json_response(
         {
             "data": [{"index": i, "tokens": t, "count": len(t)} for i, t in enumerate(ids)],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, field_validator
 
 
 def _check_input(v: Any) -> list[str] | list[list[int]]:
@@ -57,6 +57,10 @@ class EmbeddingRequest(BaseModel):
     truncate: StrictBool | None = None
     truncation_direction: Literal["right", "left"] = "right"
     normalize: StrictBool | None = None
+    prompt_name: StrictStr | None = None
+    """One of the model's named prompts (config_sentence_transformers.json), prepended to text inputs."""
+    prompt: StrictStr | None = None
+    """A raw prefix for text inputs, instead of a named prompt."""
 
     @field_validator("input", mode="before")
     @classmethod
@@ -73,6 +77,8 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     truncate: StrictBool | None = None
     truncation_direction: Literal["right", "left"] = "right"
+    prompt_name: StrictStr | None = None
+    prompt: StrictStr | None = None
 
     @field_validator("input", mode="before")
     @classmethod

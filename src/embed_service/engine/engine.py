@@ -22,10 +22,17 @@ from embed_service.batching.batcher import Batcher
 from embed_service.batching.sequence import RequestState, Sequence
 from embed_service.config import Settings
 from embed_service.engine.errors import InvalidInputError, NotReadyError, OverloadedError
-from embed_service.engine.tokenizer import InputTooLongError, InvalidTokenError, Tokenizer, Truncation
+from embed_service.engine.tokenizer import (
+    InputTooLongError,
+    InvalidTokenError,
+    PromptError,
+    Tokenizer,
+    Truncation,
+)
 from embed_service.models.spec import ModelSpec
-from embed_service.workers.device import available_cores, resolve_device, resolve_dtype
-from embed_service.workers.group import WorkerGroup, free_port
+from embed_service.parallel import check_shardable
+from embed_service.workers.device import available_cores, check_world_size, resolve_device, resolve_dtype
+from embed_service.workers.group import WorkerDiedError, WorkerGroup, free_port
 from embed_service.workers.worker import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -41,6 +48,8 @@ class EmbedOptions:
     truncation_direction: str = "right"
     normalize: bool | None = None
     dimensions: int | None = None
+    prompt_name: str | None = None
+    prompt: str | None = None
 
 
 @dataclass
@@ -82,6 +91,8 @@ class Engine:
         self.device = resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, self.device)
         tp = settings.tensor_parallel_size
+        check_shardable(spec.config, tp)  # before any worker starts: fail fast, naming the numbers
+        check_world_size(self.device, tp)
         # Replicas: on a CPU, two single-purpose workers beat one with twice the threads. An OpenMP team
         # stalls at every barrier while one of its threads waits for a core the event loop or the
         # client holds (measured on 2 busy cores: 26 vs 5 passages/s), and a second replica lets a short
@@ -213,32 +224,35 @@ class Engine:
         assert group is not None
         try:
             out = group.run(ids, lengths)
-        except RuntimeError as exc:
-            if group.dead_reason:
-                raise NotReadyError(f"model {self.name} is unavailable: {group.dead_reason}") from exc
-            raise
+        except WorkerDiedError as exc:
+            raise NotReadyError(f"model {self.name} is unavailable: {exc}") from None
         return [Pooled(row) for row in out]
 
     def truncation(self, opts: EmbedOptions) -> Truncation:
         enabled = self.settings.auto_truncate if opts.truncate is None else opts.truncate
         return Truncation(enabled, self.spec.max_input_length, opts.truncation_direction)
 
-    def _token_ids(self, inputs: Inputs, rule: Truncation) -> list[list[int]]:
+    def _token_ids(self, inputs: Inputs, rule: Truncation, prompt: str | None) -> list[list[int]]:
         """Runs on a tokenization thread."""
         if inputs and isinstance(inputs[0], str):
-            seqs = self.tokenizer.encode(inputs)
+            seqs = self.tokenizer.encode(inputs, prompt)
         else:
             seqs = inputs  # type: ignore[assignment]
             self.tokenizer.check_ids(seqs)
-        return self.tokenizer.truncate(seqs, rule)
+        return self.tokenizer.truncate(seqs, rule, prompt)
 
     async def tokenize(self, inputs: Inputs, opts: EmbedOptions | None = None) -> list[list[int]]:
-        """The token ids embed() would run, after truncation."""
-        rule = self.truncation(opts or EmbedOptions())
+        """The token ids embed() would run, after prompting and truncation."""
+        opts = opts or EmbedOptions()
+        rule = self.truncation(opts)
+        try:
+            prompt = self.tokenizer.prompt_for(inputs, opts.prompt_name, opts.prompt)
+        except PromptError as exc:
+            raise InvalidInputError(str(exc), param=exc.param) from None
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
         try:
-            ids = await loop.run_in_executor(self._tokenize_pool, self._token_ids, inputs, rule)
+            ids = await loop.run_in_executor(self._tokenize_pool, self._token_ids, inputs, rule, prompt)
         except InputTooLongError as exc:
             raise InvalidInputError(str(exc)) from None
         except InvalidTokenError as exc:
@@ -302,6 +316,8 @@ class Engine:
             "normalize": self.spec.normalize,
             "dimension": self.spec.dimension,
             "max_input_length": self.spec.max_input_length,
+            "prompts": sorted(self.spec.prompts),
+            "default_prompt_name": self.spec.default_prompt_name,
             "auto_truncate": s.auto_truncate,
             "dtype": self.dtype,
             "device": self.device,
@@ -319,4 +335,5 @@ class Engine:
             "parameter_bytes_per_rank": [r["parameter_bytes"] for r in self.group.rank_info]
             if self.group
             else [],
+            "worker_pids": [r["pid"] for r in self.group.rank_info] if self.group else [],
         }

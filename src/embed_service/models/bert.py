@@ -1,7 +1,7 @@
 """BERT-family bidirectional encoder on the flat token stream.
 
 Module names mirror the Hugging Face checkpoint, so weights load without renaming except the packed
-query/key/value projection. ``position_offset`` lets RoBERTa-style models (positions start after the
+query/key/value projection. ``position_offset`` lets RoBERTa and XLM-RoBERTa (positions start after the
 padding index) reuse this file.
 """
 
@@ -136,3 +136,9 @@ class BertModel(nn.Module):
 
     def forward(self, batch: FlatBatch) -> torch.Tensor:
         return self.encoder(self.embeddings(batch), batch)
+
+
+class RobertaModel(BertModel):
+    """RoBERTa and XLM-RoBERTa: BERT's layers; positions start after the padding index (the spec's offset)."""
+
+    checkpoint_prefixes = ("roberta.",)

@@ -7,7 +7,7 @@ shard. (Not the meta device: materializing from meta makes new Parameters and dr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -42,6 +42,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
     mapping: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
     prefixes: tuple[str, ...] = getattr(model, "checkpoint_prefixes", ())
     ignored: tuple[str, ...] = getattr(model, "ignored_weights", ())
+    ignored_fragments: tuple[str, ...] = getattr(model, "ignored_fragments", ())
     loaded: set[str] = set()
     for name, tensor in iter_checkpoint(path):
         for prefix in prefixes:
@@ -54,11 +55,11 @@ def load_weights(model: nn.Module, path: Path) -> None:
                 name, shard = name.replace(fragment, target), shard_id
                 break
         if name not in params:
-            if any(name.startswith(i) for i in ignored):
+            if any(name.startswith(i) for i in ignored) or any(f in name for f in ignored_fragments):
                 continue
             raise ValueError(f"{path}: checkpoint tensor {name!r} has no place in {type(model).__name__}")
         param = params[name]
-        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader: Callable[..., None] = getattr(param, "weight_loader", default_weight_loader)
         if shard is None:
             loader(param, tensor)
         else:

@@ -11,7 +11,11 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Family:
-    """An implementation: where its class lives, whether attention is causal, and its default pooling."""
+    """An implementation: where its class lives, whether attention is causal, and its default pooling.
+
+    ``causal`` is the architecture's own attention; a config may still ask a decoder for bidirectional
+    attention (see ModelSpec.causal).
+    """
 
     module: str
     cls: str
@@ -29,14 +33,58 @@ class Family:
 
 
 _BERT = Family("bert", "BertModel", causal=False, default_pooling="cls", default_normalize=False)
+_ROBERTA = Family(
+    "bert",
+    "RobertaModel",
+    causal=False,
+    default_pooling="cls",
+    default_normalize=False,
+    positions_after_padding=True,
+)
+_MODERNBERT = Family(
+    "modernbert", "ModernBertModel", causal=False, default_pooling="cls", default_normalize=False
+)
+
+
+def _decoder(cls: str) -> Family:
+    # Causal LMs used as embedders: the last token has seen the whole input.
+    return Family("decoder", cls, causal=True, default_pooling="last", default_normalize=True)
+
+
+_LLAMA, _MISTRAL = _decoder("LlamaModel"), _decoder("MistralModel")
+_QWEN2, _QWEN3 = _decoder("Qwen2Model"), _decoder("Qwen3Model")
 
 ARCHITECTURES: dict[str, Family] = {
     "BertModel": _BERT,
     "BertForMaskedLM": _BERT,
     "BertForPreTraining": _BERT,
+    "RobertaModel": _ROBERTA,
+    "RobertaForMaskedLM": _ROBERTA,
+    "XLMRobertaModel": _ROBERTA,
+    "XLMRobertaForMaskedLM": _ROBERTA,
+    "ModernBertModel": _MODERNBERT,
+    "ModernBertForMaskedLM": _MODERNBERT,
+    "LlamaModel": _LLAMA,
+    "LlamaForCausalLM": _LLAMA,
+    "MistralModel": _MISTRAL,
+    "MistralForCausalLM": _MISTRAL,
+    "Qwen2Model": _QWEN2,
+    "Qwen2ForCausalLM": _QWEN2,
+    "Qwen3Model": _QWEN3,
+    "Qwen3ForCausalLM": _QWEN3,
 }
 
-MODEL_TYPES: dict[str, Family] = {"bert": _BERT}
+# For configs without an `architectures` list.
+MODEL_TYPES: dict[str, Family] = {
+    "bert": _BERT,
+    "roberta": _ROBERTA,
+    "xlm-roberta": _ROBERTA,
+    "modernbert": _MODERNBERT,
+    "llama": _LLAMA,
+    "mistral": _MISTRAL,
+    "qwen2": _QWEN2,
+    "qwen3": _QWEN3,
+}
 
 
 class UnsupportedModelError(ValueError):

@@ -13,13 +13,23 @@ from typing import Any
 
 from embed_service.models.registry import Family, resolve_family
 
-_POOLING_KEYS = [
-    ("pooling_mode_cls_token", "cls"),
-    ("pooling_mode_mean_tokens", "mean"),
-    ("pooling_mode_max_tokens", "max"),
-    ("pooling_mode_mean_sqrt_len_tokens", "mean_sqrt_len"),
-    ("pooling_mode_lasttoken", "last"),
-]
+# sentence-transformers' pooling modes, by their names in the current `pooling_mode` key -> ours.
+_POOLING_MODES = {
+    "cls": "cls",
+    "mean": "mean",
+    "max": "max",
+    "mean_sqrt_len_tokens": "mean_sqrt_len",
+    "lasttoken": "last",
+}
+# The boolean keys older files carry instead, in sentence-transformers' order.
+_LEGACY_POOLING_KEYS = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
+}
 
 _ST_ACTIVATIONS = {
     "torch.nn.modules.activation.Tanh": "tanh",
@@ -52,6 +62,9 @@ class ModelSpec:
     max_input_length: int = 512
     position_limit: int = 512
     """The longest sequence the position table allows."""
+    prompts: dict[str, str] = field(default_factory=dict)
+    """Named prompts from config_sentence_transformers.json, prepended to text inputs."""
+    default_prompt_name: str | None = None
 
     @property
     def hidden_size(self) -> int:
@@ -67,7 +80,12 @@ class ModelSpec:
 
     @property
     def causal(self) -> bool:
-        return self.family.causal
+        """Decoders attend causally unless the config asks for bidirectional attention, in either spelling:
+        ``is_causal: false`` (gte-Qwen2 style) or ``use_bidirectional_attention: true``."""
+        bidirectional = self.config.get("is_causal", True) is False or bool(
+            self.config.get("use_bidirectional_attention", False)
+        )
+        return self.family.causal and not bidirectional
 
 
 def _read_json(path: Path) -> Any:
@@ -95,15 +113,7 @@ def load_spec(path: str | Path, max_input_length: int | None = None) -> ModelSpe
             kind = m.get("type", "").rsplit(".", 1)[-1]
             mpath = path / m.get("path", "")
             if kind == "Pooling":
-                pcfg = _read_json(mpath / "config.json")
-                chosen = [name for key, name in _POOLING_KEYS if pcfg.get(key)]
-                if pcfg.get("pooling_mode") in {n for _, n in _POOLING_KEYS}:
-                    chosen = [pcfg["pooling_mode"]]
-                if len(chosen) != 1:
-                    raise ValueError(
-                        f"{mpath}: exactly one pooling mode is supported, found {chosen or 'none'}"
-                    )
-                pooling = chosen[0]
+                pooling = _pooling_mode(mpath)
             elif kind == "Normalize":
                 normalize = True
             elif kind == "Dense":
@@ -123,8 +133,18 @@ def load_spec(path: str | Path, max_input_length: int | None = None) -> ModelSpe
             elif kind not in ("Transformer", "Pooling"):
                 raise ValueError(f"unsupported sentence-transformers module {m.get('type')}")
     position_limit = int(config.get("max_position_embeddings", 1 << 20)) - family.position_offset(config)
+    prompts, default_prompt_name = _prompts(path)
     spec = ModelSpec(
-        path, config, architecture, family, pooling, normalize, dense, position_limit=position_limit
+        path,
+        config,
+        architecture,
+        family,
+        pooling,
+        normalize,
+        dense,
+        position_limit=position_limit,
+        prompts=prompts,
+        default_prompt_name=default_prompt_name,
     )
     spec.max_input_length = max_input_length or default_max_length(path, position_limit)
     if spec.max_input_length > position_limit:
@@ -132,6 +152,47 @@ def load_spec(path: str | Path, max_input_length: int | None = None) -> ModelSpe
             f"max input length {spec.max_input_length} exceeds the model's {position_limit} positions"
         )
     return spec
+
+
+def _pooling_mode(mpath: Path) -> str:
+    """The one pooling mode of a sentence-transformers Pooling module, in either config format."""
+    pcfg = _read_json(mpath / "config.json")
+    mode = pcfg.get("pooling_mode")
+    if mode is None:  # as sentence-transformers: the legacy keys set, else mean
+        mode = [name for key, name in _LEGACY_POOLING_KEYS.items() if pcfg.get(key)] or ["mean"]
+    modes = [mode] if isinstance(mode, str) else list(mode)
+    if len(modes) != 1 or modes[0] not in _POOLING_MODES:
+        raise ValueError(
+            f"{mpath}: exactly one of the pooling modes {sorted(_POOLING_MODES)} is supported, found {modes}"
+        )
+    chosen = _POOLING_MODES[modes[0]]
+    if pcfg.get("include_prompt", True) is False and chosen != "last":
+        # The prompt would have to be left out of the pooled tokens; the pooled token of last-token
+        # pooling is never part of the prompt, so only that mode is unaffected.
+        raise ValueError(
+            f"{mpath}: include_prompt=false (pooling that leaves the prompt tokens out) is not supported "
+            f"with {chosen} pooling"
+        )
+    return chosen
+
+
+def _prompts(path: Path) -> tuple[dict[str, str], str | None]:
+    """``prompts`` and ``default_prompt_name`` from config_sentence_transformers.json."""
+    file = path / "config_sentence_transformers.json"
+    if not file.is_file():
+        return {}, None
+    cfg = _read_json(file)
+    prompts = cfg.get("prompts") or {}
+    if not isinstance(prompts, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()
+    ):
+        raise ValueError(f"{file}: `prompts` must map names to strings")
+    default = cfg.get("default_prompt_name") or None
+    if default is not None and default not in prompts:
+        raise ValueError(
+            f"{file}: default_prompt_name {default!r} is not one of the prompts {sorted(prompts)}"
+        )
+    return prompts, default
 
 
 def default_max_length(path: Path, position_limit: int) -> int:

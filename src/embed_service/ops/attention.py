@@ -2,8 +2,10 @@
 
 flash-attn's varlen kernel on CUDA when it is installed; elsewhere the sequences are sorted into groups of
 similar length, and each group is copied into a padded (B, H, L, D) grid for torch's
-scaled_dot_product_attention and copied back. Padding exists only inside this function.
-``varlen_attention_reference`` is the plain per-sequence twin the tests compare against.
+scaled_dot_product_attention and copied back. Padding exists only inside this function. ``varlen_attention_reference`` is the plain per-sequence twin the tests compare against.
+
+``window`` restricts each query to keys at most that many positions away (sliding-window attention, as in
+ModernBERT's local layers and Mistral); with ``causal`` only the keys behind the query count.
 """
 
 from __future__ import annotations
@@ -29,9 +31,15 @@ def varlen_attention(
     batch: FlatBatch,
     causal: bool,
     scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q: (T, Hq, D), k/v: (T, Hkv, D) with Hq a multiple of Hkv -> (T, Hq, D)."""
+    """q: (T, Hq, D), k/v: (T, Hkv, D) with Hq a multiple of Hkv -> (T, Hq, D).
+
+    window: keys farther than this from the query (|i - j| > window) are masked; None for no limit.
+    """
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if window is not None and window >= batch.max_seqlen - 1:
+        window = None  # the window covers every sequence of this batch
     if flash_attn_varlen_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         return flash_attn_varlen_func(
             q,
@@ -43,11 +51,12 @@ def varlen_attention(
             batch.max_seqlen,
             softmax_scale=scale,
             causal=causal,
+            window_size=(-1, -1) if window is None else (window, 0 if causal else window),
         )
     gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q)
     for group in batch.length_groups(GROUP_RATIO):
-        _attend_group(q, k, v, out, group, causal, scale, gqa)
+        _attend_group(q, k, v, out, group, causal, scale, gqa, window)
     return out
 
 
@@ -65,6 +74,7 @@ def _attend_group(
     causal: bool,
     scale: float,
     gqa: bool,
+    window: int | None,
 ) -> None:
     """Attention over one group of similar-length sequences, written into `out` (T, Hq, D) in place.
 
@@ -74,7 +84,7 @@ def _attend_group(
     zero-filled (B * L) grid, which cost as much as the attention itself.
     """
     spans = group.spans
-    if len(spans) == 1:  # (1, H, n, D): no padding at all
+    if len(spans) == 1 and window is None:  # (1, H, n, D): no padding, no mask
         s, e = spans[0]
         o = F.scaled_dot_product_attention(
             q[s:e].transpose(0, 1)[None],
@@ -91,10 +101,9 @@ def _attend_group(
         return pad_sequence([x[s:e] for s, e in spans], batch_first=True).transpose(1, 2)
 
     mask = group.key_valid  # (B, 1, 1, L) or None when every sequence has length L
-    if causal:
-        L = group.max_len
-        tril = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
-        mask = tril if mask is None else mask & tril
+    if causal or window is not None:
+        allowed = _allowed(group.max_len, causal, window, q.device)
+        mask = allowed if mask is None else mask & allowed
     o = F.scaled_dot_product_attention(
         grid(q), grid(k), grid(v), attn_mask=mask, scale=scale, enable_gqa=gqa
     ).transpose(1, 2)  # (B, L, H, D)
@@ -104,6 +113,15 @@ def _attend_group(
     out.index_copy_(0, group.token_index, rows)
 
 
+def _allowed(n: int, causal: bool, window: int | None, device: torch.device) -> torch.Tensor:
+    """(n, n) bool: may query i attend to key j."""
+    offset = torch.arange(n, device=device)[:, None] - torch.arange(n, device=device)[None, :]  # i - j
+    allowed = offset >= 0 if causal else torch.ones(n, n, dtype=torch.bool, device=device)
+    if window is not None:
+        allowed = allowed & (offset.abs() <= window)
+    return allowed
+
+
 def varlen_attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -111,6 +129,7 @@ def varlen_attention_reference(
     cu_seqlens: torch.Tensor,
     causal: bool,
     scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One sequence at a time, softmax written out, in float32."""
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -122,8 +141,7 @@ def varlen_attention_reference(
         ks = k[s:e].float().repeat_interleave(group, dim=1).transpose(0, 1)
         vs = v[s:e].float().repeat_interleave(group, dim=1).transpose(0, 1)
         scores = qs @ ks.transpose(1, 2) * scale  # (H, n, n)
-        if causal:
-            n = e - s
-            scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        if causal or window is not None:
+            scores = scores.masked_fill(~_allowed(e - s, causal, window, scores.device), float("-inf"))
         out[s:e] = (scores.softmax(-1) @ vs).transpose(0, 1).to(q.dtype)
     return out

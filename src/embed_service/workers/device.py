@@ -30,6 +30,15 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def check_world_size(device: str, world_size: int) -> None:
+    """One GPU per rank on CUDA; on the CPU the ranks share the cores (see --num-threads)."""
+    if device == "cuda" and world_size > torch.cuda.device_count():
+        raise ValueError(
+            f"--tensor-parallel-size {world_size} needs {world_size} GPUs, "
+            f"{torch.cuda.device_count()} visible"
+        )
+
+
 def resolve_dtype(dtype: str, device: str) -> str:
     if dtype != "auto":
         return dtype

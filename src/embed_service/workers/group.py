@@ -1,13 +1,16 @@
 """A group of worker processes, one per tensor-parallel rank.
 
-Every batch goes to all ranks; rank 0's result comes back. A watcher notices a worker that dies and reports
-it once; a batch waiting on a dead group fails at once instead of hanging.
+Every batch goes to all ranks; rank 0's result comes back. The group lives or dies as a whole: the ranks
+meet in collectives on every layer, so one lost rank leaves the others blocked. A watcher thread waits on
+every worker's process sentinel; the first worker to exit kills the rest and reports the death once
+(``on_death``), and a batch waiting on the group fails at once with ``WorkerDiedError`` instead of hanging.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import signal
 import socket
 import threading
 from collections.abc import Callable
@@ -20,23 +23,48 @@ from embed_service.workers.worker import WorkerConfig, worker_main
 
 log = logging.getLogger(__name__)
 
+# How long a batch that lost its result pipe waits for the watcher to name the worker that died first
+# (rank 0's pipe also closes when another rank dies and rank 0 is killed in turn).
+_REASON_WAIT_S = 2.0
+
 
 class WorkerDiedError(RuntimeError):
     """A worker process is gone; the group cannot compute any more."""
 
 
+def describe_exit(rank: int, pid: int | None, exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            how = f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            how = f"was killed by signal {-exitcode}"
+    else:
+        how = f"exited with code {exitcode}"
+    return f"worker {rank} (pid {pid}) {how}"
+
+
 class WorkerGroup:
+    """The worker processes of one model, started together and stopped together."""
+
     def __init__(self, cfg: WorkerConfig, on_death: Callable[[str], None] | None = None):
         self.cfg = cfg
         self.on_death = on_death
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
         self.rank_info: list[dict] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one batch in flight
+        self._death_lock = threading.Lock()
+        self._dead = threading.Event()
         self._closing = False
         self.dead_reason: str | None = None
 
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
     def start(self) -> None:
+        # Call from a thread that outlives the workers (the event loop's): each worker asks the kernel to
+        # kill it when its parent thread ends (PR_SET_PDEATHSIG), so a server killed outright leaves none.
         ctx = mp.get_context("spawn")
         for rank in range(self.cfg.world_size):
             parent, child = ctx.Pipe()
@@ -49,27 +77,26 @@ class WorkerGroup:
             self.conns.append(parent)
 
     def wait_ready(self, on_log: Callable[[str], None]) -> None:
-        """Block until every rank has loaded and warmed up; raise if one fails."""
-        pending = dict(enumerate(self.conns))
+        """Block until every rank has loaded and warmed up; on a failure kill every rank, then raise."""
+        try:
+            self._wait_ready(on_log)
+        except BaseException:
+            self._kill_all()
+            raise
+        threading.Thread(target=self._watch, name="worker-watch", daemon=True).start()
+
+    def _wait_ready(self, on_log: Callable[[str], None]) -> None:
+        pending = dict(enumerate(self.conns))  # rank -> pipe, for the ranks not ready yet
         info: dict[int, dict] = {}
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs)}
         while pending:
-            ready = wait(list(pending.values()) + list(sentinels))
-            for obj in ready:
-                if obj in sentinels and sentinels[obj] in pending:
-                    rank = sentinels[obj]
-                    conn = pending[rank]
-                    if conn.poll():
-                        continue  # read its last message first
-                    raise WorkerDiedError(
-                        f"worker {rank} exited with code {self.procs[rank].exitcode} while loading"
-                    )
+            for obj in wait([*pending.values(), *sentinels]):
                 if isinstance(obj, Connection):
                     rank = self.conns.index(obj)
                     try:
                         msg = obj.recv()
-                    except EOFError:
-                        raise WorkerDiedError(f"worker {rank} exited while loading") from None
+                    except EOFError:  # it is exiting without a word
+                        raise self._exited(rank) from None
                     if msg[0] == "log":
                         on_log(msg[1])
                     elif msg[0] == "ready":
@@ -77,24 +104,63 @@ class WorkerGroup:
                         del pending[rank]
                     elif msg[0] == "fatal":
                         raise WorkerDiedError(f"worker {rank} failed while loading:\n{msg[1]}")
+                else:  # a worker exited, ready or not: the others cannot finish
+                    rank = sentinels[obj]
+                    if rank in pending and pending[rank].poll():
+                        continue  # read its last message (a "fatal" traceback) first
+                    raise self._exited(rank)
         self.rank_info = [info[r] for r in range(len(self.procs))]
-        threading.Thread(target=self._watch, name="worker-watch", daemon=True).start()
+
+    def _exited(self, rank: int) -> WorkerDiedError:
+        p = self.procs[rank]
+        p.join(5)
+        return WorkerDiedError(describe_exit(rank, p.pid, p.exitcode) + " while loading")
 
     def _watch(self) -> None:
         ready = wait([p.sentinel for p in self.procs])
         if self._closing:
             return
-        rank = next(r for r, p in enumerate(self.procs) if p.sentinel in ready)
-        self.dead_reason = (
-            f"worker {rank} (pid {self.procs[rank].pid}) exited with code {self.procs[rank].exitcode}"
-        )
-        log.error("%s; the model cannot serve", self.dead_reason)
-        self._kill_all()
-        if self.on_death:
-            self.on_death(self.dead_reason)
+        gone = [r for r, p in enumerate(self.procs) if p.sentinel in ready]
+        for rank in gone:
+            self.procs[rank].join(1)  # reap it, so its exit code is known
+            self._log_last_words(rank)
+        # When several are gone at once, a rank killed by a signal is the cause; the others exited because
+        # a collective lost it.
+        rank = min(gone, key=lambda r: (self.procs[r].exitcode is None or self.procs[r].exitcode >= 0, r))
+        p = self.procs[rank]
+        self._die(describe_exit(rank, p.pid, p.exitcode))
+
+    def _log_last_words(self, rank: int) -> None:
+        """Log the traceback a failing worker sent before it exited, if any."""
+        if rank == 0:
+            return  # rank 0 fails only during a batch, and run() reads (and logs) its answer
+        conn = self.conns[rank]
+        try:
+            while conn.poll():
+                msg = conn.recv()
+                if msg[0] == "fatal":
+                    log.error("worker %d failed:\n%s", rank, msg[1])
+        except (EOFError, OSError):
+            pass
+
+    def _die(self, reason: str) -> None:
+        """Declare the group dead once: kill every rank, then tell the owner."""
+        with self._death_lock:
+            if self.dead_reason is not None:
+                return
+            self.dead_reason = reason
+        log.error("%s; killing the other workers; the model cannot serve", reason)
+        self._kill_all(join=False)
+        self._dead.set()
+        if self.on_death and not self._closing:
+            self.on_death(reason)
+        self._kill_all()  # reap them
 
     def run(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """(T,) int32 token ids, (B,) int32 lengths -> (B, D) float32 pooled vectors. Blocking."""
+        """(T,) int32 token ids, (B,) int32 lengths -> (B, D) float32 pooled vectors. Blocking.
+
+        Raises WorkerDiedError, naming the worker that died, when the group is or becomes dead.
+        """
         with self._lock:
             if self.dead_reason:
                 raise WorkerDiedError(self.dead_reason)
@@ -102,30 +168,50 @@ class WorkerGroup:
                 for conn in self.conns:
                     conn.send(("run", ids, lengths))
                 msg = self.conns[0].recv()
-            except (EOFError, OSError, BrokenPipeError):
-                raise WorkerDiedError(self.dead_reason or "a worker exited during a batch") from None
+            except (EOFError, OSError):
+                msg = ("fatal", "a worker exited during a batch")
         if msg[0] == "ok":
             return msg[1]
-        raise RuntimeError(msg[1])
+        if msg[0] == "error":  # one rank only: the batch failed, the worker lives on
+            raise RuntimeError(msg[1])
+        # Rank 0 is gone or failing: with several ranks the cause is often another rank (rank 0 then fails
+        # in a collective, or is killed by the watcher). Let the watcher name it, else name it here.
+        if msg[0] == "fatal" and "\n" in msg[1]:
+            log.error("worker 0 failed:\n%s", msg[1])
+        if not self._dead.wait(_REASON_WAIT_S):
+            self._die(f"worker 0 failed during a batch: {msg[1]}")
+        raise WorkerDiedError(self.dead_reason)
 
-    def _kill_all(self) -> None:
+    def _kill_all(self, join: bool = True) -> None:
         # Killing every rank closes their pipe ends, so a batch blocked on a result gets EOF at once.
         for p in self.procs:
             if p.is_alive():
                 p.kill()
+        if join:
+            for p in self.procs:
+                p.join(5)
 
     def close(self, timeout: float = 10.0) -> None:
+        """Stop every rank: ask politely, then kill what is left after `timeout` seconds."""
         self._closing = True
-        for conn in self.conns:
+        # Not while a batch is being sent (two writers would interleave on a pipe); a batch stuck past
+        # the timeout is ended by the kill below.
+        if self._lock.acquire(timeout=timeout):
             try:
-                conn.send(("stop",))
-            except Exception:
-                pass
+                for conn in self.conns:
+                    try:
+                        conn.send(("stop",))
+                    except Exception:
+                        pass
+            finally:
+                self._lock.release()
         for p in self.procs:
             p.join(timeout)
             if p.is_alive():
                 p.kill()
-                p.join(1)
+                p.join(5)
+        for conn in self.conns:
+            conn.close()
 
 
 def free_port() -> int:

@@ -8,6 +8,7 @@ per batch. A parent that goes away closes the pipe, and the worker exits.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import traceback
@@ -27,7 +28,34 @@ class WorkerConfig:
     dist_port: int
 
 
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent goes (Linux); a no-op elsewhere.
+
+    A server killed outright (SIGKILL, OOM killer) then leaves no worker behind, even one blocked in a
+    collective that would otherwise wait for its timeout.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import multiprocessing
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        os._exit(1)  # the parent went before the request took effect
+
+
 def worker_main(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
+    # The server decides when its workers stop ("stop", or its pipe closing). A signal sent to the whole
+    # process group (Ctrl-C in a terminal, systemd stopping a unit's control group) must start the
+    # server's drain, not kill the workers under the requests it is finishing.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    die_with_parent()
     try:
         _serve(rank, cfg, conn)
     except (EOFError, KeyboardInterrupt, BrokenPipeError):

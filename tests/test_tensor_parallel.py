@@ -1,0 +1,324 @@
+"""Tensor parallelism through the HTTP API: real servers on loopback, worker processes joined over gloo.
+
+TP=2 must give what TP=1 gives, each rank must hold about half of the weights, a model that cannot be split
+must be refused at start-up, and a worker killed under load must turn into 503s, an unhealthy /health and a
+non-zero exit, with no worker process left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import psutil
+import pytest
+import torch
+
+from embed_service.parallel import check_shardable
+from tests.server import ServerProcess, read_corpus
+
+TEXTS = read_corpus("queries.jsonl", 40) + read_corpus("passages.jsonl", 24)  # passages: long, truncated
+
+
+def _make_weights_matter(model: torch.nn.Module, seed: int) -> None:
+    """Wide random weights (std 0.1) and non-trivial norms, so a misplaced shard changes every output."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name or "norm" in name.lower():
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def _sentence_transformers_files(folder: Path, pooling: str) -> None:
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({f"pooling_mode_{pooling}": True}))
+
+
+def tiny_bert(folder: Path, default_model_path: Path, heads: int = 4, hidden: int = 48) -> Path:
+    """A random BERT with the default model's tokenizer; the vocabulary (30,523) divides by no TP size."""
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(
+        vocab_size=30523,
+        hidden_size=hidden,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        intermediate_size=4 * hidden,
+        max_position_embeddings=128,
+        type_vocab_size=2,
+    )
+    model = BertModel(config, add_pooling_layer=False)
+    _make_weights_matter(model, seed=0)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+        shutil.copy(default_model_path / name, folder / name)
+    _sentence_transformers_files(folder, "mean_tokens")
+    return folder
+
+
+def embed(server: ServerProcess, texts: list[str], **extra: object) -> np.ndarray:
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": texts, **extra}, timeout=120)
+    assert r.status_code == 200, r.text
+    return np.array([d["embedding"] for d in r.json()["data"]], dtype=np.float32)
+
+
+def info(server: ServerProcess) -> dict:
+    return httpx.get(server.url + "/info", timeout=10).json()
+
+
+def metric(server: ServerProcess, name: str) -> float:
+    total = 0.0
+    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith((name + "{", name + " ")):
+            total += float(line.split()[-1])
+    return total
+
+
+def workers_of(server: ServerProcess) -> list[psutil.Process]:
+    return psutil.Process(server.proc.pid).children(recursive=True)
+
+
+def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """The processes still running (a zombie has exited; only its exit status waits to be read)."""
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def assert_none_left(procs: list[psutil.Process], within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while alive(procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = alive(procs)
+    assert not left, f"orphan processes left behind: {[(p.pid, p.cmdline()) for p in left]}"
+
+
+def start_all(*servers: ServerProcess) -> None:
+    """Wait for servers that were started together (their start-ups overlap)."""
+    try:
+        for s in servers:
+            s.wait_healthy()
+    except BaseException:
+        for s in servers:
+            s.stop(signal.SIGKILL)
+        raise
+
+
+# Tiny random models, one per architecture: (folder, default model folder) -> the folder, ready to serve.
+ARCHITECTURES = {"bert": tiny_bert}
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def tp_pair(
+    request, tmp_path_factory, default_model_path
+) -> Iterator[tuple[str, ServerProcess, ServerProcess]]:
+    """One tiny model served at TP=1 and at TP=2, fp32."""
+    name = request.param
+    folder = ARCHITECTURES[name](tmp_path_factory.mktemp(name), default_model_path)
+    args = ("--model", str(folder), "--dtype", "float32")
+    tp1 = ServerProcess(*args)
+    tp2 = ServerProcess(*args, "--tensor-parallel-size", "2")
+    start_all(tp1, tp2)
+    yield name, tp1, tp2
+    tp1.stop()
+    tp2.stop()
+
+
+def test_tp2_equals_tp1(tp_pair):
+    name, tp1, tp2 = tp_pair
+    assert info(tp2)["tensor_parallel_size"] == 2
+    want = embed(tp1, TEXTS, normalize=False)  # raw pooled vectors: no normalization to hide a scale error
+    got = embed(tp2, TEXTS, normalize=False)
+    diff = float(np.abs(got - want).max())
+    print(f"{name} TP=2 vs TP=1: max abs difference {diff:.3g} over {want.size} elements")
+    assert diff <= 1e-5
+    assert np.abs(want).max() > 0.1  # the vectors carry signal, not near-zero noise
+
+
+def test_each_rank_holds_about_half_the_weights(tp_pair):
+    name, tp1, tp2 = tp_pair
+    (whole,) = info(tp1)["parameter_bytes_per_rank"]
+    per_rank = info(tp2)["parameter_bytes_per_rank"]
+    print(f"{name} parameter bytes: TP=1 {whole}, TP=2 per rank {per_rank}")
+    assert len(per_rank) == 2
+    for b in per_rank:
+        # Half of the sharded weights plus the small replicated ones (norms, positions, biases).
+        assert 0.5 * whole < b < 0.55 * whole
+
+
+def test_server_killed_outright_leaves_no_worker(tp_pair):
+    """The server cannot stop its workers when it is SIGKILLed; the kernel does (parent-death signal)."""
+    _, tp1, _ = tp_pair
+    workers = workers_of(tp1)
+    assert workers
+    tp1.stop(signal.SIGKILL)
+    assert_none_left(workers)
+
+
+def test_sigterm_to_the_process_group_drains_and_stops_every_worker(tp_pair):
+    """Runs last on each pair. SIGTERM to the whole process group, as Ctrl-C in a terminal or systemd sends
+    it: the workers leave stopping to the server, which finishes the admitted requests, exits 0 and takes
+    the workers with it."""
+    _, _, tp2 = tp_pair
+    workers = workers_of(tp2)
+    assert len(workers) >= 2
+    with ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(embed, tp2, TEXTS * 8)  # embed() asserts a 200
+        while metric(tp2, "embed_inputs_in_flight") == 0 and not busy.done():
+            time.sleep(0.005)  # until it is admitted
+        os.killpg(tp2.proc.pid, signal.SIGTERM)
+        busy.result()
+    assert tp2.proc.wait(30) == 0, tp2.output()
+    assert_none_left(workers)
+
+
+@pytest.fixture(scope="module")
+def default_tp2() -> Iterator[ServerProcess]:
+    """The packaged default model at TP=2, fp32; the last test to use it kills one of its workers."""
+    server = ServerProcess("--dtype", "float32", "--tensor-parallel-size", "2")
+    try:
+        yield server.wait_healthy()
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+def test_default_model_tp2_matches_sentence_transformers(default_tp2, default_model_path):
+    from sentence_transformers import SentenceTransformer
+
+    texts = read_corpus("queries.jsonl", 60) + read_corpus("passages.jsonl", 40)
+    got = embed(default_tp2, texts)
+    ref = SentenceTransformer(str(default_model_path), device="cpu")
+    want = ref.encode(texts, batch_size=32, convert_to_numpy=True, normalize_embeddings=True)
+    cos = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
+    print(f"default model TP=2 vs sentence-transformers: min cosine {cos.min():.7f}")
+    assert cos.min() >= 0.99999
+
+
+def test_indivisible_heads_fail_at_startup(tmp_path, default_model_path):
+    folder = tiny_bert(tmp_path / "nine-heads", default_model_path, heads=9, hidden=36)
+    server = ServerProcess("--model", str(folder), "--tensor-parallel-size", "2")
+    code = server.proc.wait(60)
+    out = server.output()
+    assert code != 0
+    assert "query heads (9) must divide by 2" in out, out
+    assert "--tensor-parallel-size 2" in out
+    assert "Uvicorn running" not in out  # refused before serving
+
+
+def test_check_shardable_names_every_number():
+    config = {"num_attention_heads": 8, "num_key_value_heads": 3, "intermediate_size": 100}
+    with pytest.raises(
+        ValueError, match=r"key/value heads \(3\) and intermediate size \(100\) must divide by 8"
+    ):
+        check_shardable(config, 8)
+    check_shardable(config, 1)
+    check_shardable({"num_attention_heads": 12, "intermediate_size": 1536}, 4)
+
+
+# --- a worker killed under load ---------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    start: float
+    end: float
+    status: int | None  # None: no HTTP answer at all
+    message: str
+
+
+def _client_loop(url: str, texts: list[str], stop: threading.Event, out: list[Outcome]) -> None:
+    with httpx.Client(timeout=20) as client:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            try:
+                r = client.post(url + "/v1/embeddings", json={"input": texts})
+                message = "" if r.status_code == 200 else r.json()["error"]["message"]
+                out.append(Outcome(t0, time.monotonic(), r.status_code, message))
+            except httpx.HTTPError as exc:
+                out.append(Outcome(t0, time.monotonic(), None, repr(exc)))
+                return
+
+
+def check_worker_killed_under_load(server: ServerProcess, rank: int) -> None:
+    """SIGKILL one worker while clients keep the server busy; every answer is a 200 or a clear 503."""
+    workers = workers_of(server)
+    victim = info(server)["worker_pids"][rank]
+    passages = read_corpus("passages.jsonl", 4)
+    stop = threading.Event()
+    outcomes: list[list[Outcome]] = [[] for _ in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        for o in outcomes:
+            pool.submit(_client_loop, server.url, passages, stop, o)
+        deadline = time.monotonic() + 60
+        while not any(o.status == 200 for per in outcomes for o in per) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)  # serving steadily: batches are in flight
+        killed_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        unhealthy_at, health = None, None
+        while unhealthy_at is None and time.monotonic() - killed_at < 10:
+            r = httpx.get(server.url + "/health", timeout=5)
+            if r.status_code == 503:
+                unhealthy_at, health = time.monotonic(), r.json()
+            time.sleep(0.01)
+        # New requests keep coming for a second after the death; then the clients stop.
+        time.sleep(max(0.0, killed_at + 1.0 - time.monotonic()))
+        stop.set()
+    code = server.proc.wait(30)
+    exited_at = time.monotonic()
+    assert unhealthy_at is not None, server.output()
+    print(
+        f"worker {rank} SIGKILL: /health 503 after {unhealthy_at - killed_at:.3f}s, "
+        f"exit code {code} after {exited_at - killed_at:.2f}s"
+    )
+    assert unhealthy_at - killed_at <= 5
+    assert health == {"status": "unhealthy", "reason": f"worker {rank} (pid {victim}) was killed by SIGKILL"}
+    assert code != 0
+    assert exited_at - killed_at <= 15
+    done = [o for per_client in outcomes for o in per_client]
+    assert any(o.status == 200 for o in done)  # it served before the death
+    assert any(o.start < killed_at < o.end for o in done)  # and had requests in flight
+    for o in done:
+        assert o.status in (200, 503), (o, server.output())
+        if o.end > killed_at:
+            assert o.end - max(o.start, killed_at) <= 5, o  # answered within 5 s of the death
+        if o.start > killed_at:
+            assert o.status == 503, o
+        if o.status == 503:
+            assert f"worker {rank} (pid {victim}) was killed by SIGKILL" in o.message, o
+    assert any(o.status == 503 and o.start > killed_at for o in done)  # new requests were refused
+    assert_none_left(workers)
+
+
+def test_worker_1_killed_under_load(default_tp2):
+    check_worker_killed_under_load(default_tp2, rank=1)
+
+
+def test_worker_0_killed_under_load():
+    server = ServerProcess("--dtype", "float32", "--tensor-parallel-size", "2")
+    try:
+        check_worker_killed_under_load(server.wait_healthy(), rank=0)
+    finally:
+        server.stop(signal.SIGKILL)

@@ -1,0 +1,102 @@
+"""The worker group on its own: two real worker processes (gloo) on the packaged default model.
+
+The group lives and dies as a whole: a worker lost at any time fails what waits on the group with an error
+naming that worker, reports the death once, and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file, save_file
+
+from embed_service.workers.group import WorkerDiedError, WorkerGroup, free_port
+from embed_service.workers.worker import WorkerConfig
+
+
+def config(model: Path) -> WorkerConfig:
+    return WorkerConfig(str(model), 128, "float32", "cpu", 1, 2, free_port())
+
+
+def assert_all_exited(group: WorkerGroup) -> None:
+    for p in group.procs:
+        p.join(5)
+        assert not p.is_alive(), f"worker pid {p.pid} is still running"
+
+
+def test_a_killed_worker_fails_the_batch_and_is_reported_once(default_model_path):
+    deaths: list[str] = []
+    group = WorkerGroup(config(default_model_path), on_death=deaths.append)
+    group.start()
+    try:
+        group.wait_ready(lambda _: None)
+        assert [info["rank"] for info in group.rank_info] == [0, 1]
+        ids = np.full(2 * 100, 1037, dtype=np.int32)
+        out = group.run(ids, np.array([100, 100], dtype=np.int32))
+        assert out.shape == (2, 384) and out.dtype == np.float32
+
+        # A batch long enough to be in flight when rank 1 dies: rank 0 is left waiting in a collective.
+        big = np.full(64 * 128, 1037, dtype=np.int32)
+        result: dict[str, object] = {}
+
+        def run_big() -> None:
+            try:
+                group.run(big, np.full(64, 128, dtype=np.int32))
+                result["outcome"] = "ok"
+            except WorkerDiedError as exc:
+                result["outcome"] = exc
+
+        t = threading.Thread(target=run_big)
+        t.start()
+        time.sleep(0.2)
+        victim = group.pids[1]
+        os.kill(victim, signal.SIGKILL)
+        t.join(10)
+        assert not t.is_alive(), "the batch hangs on a dead group"
+        if result["outcome"] != "ok":  # it may have finished before the kill landed
+            assert f"worker 1 (pid {victim}) was killed by SIGKILL" in str(result["outcome"])
+        with pytest.raises(WorkerDiedError, match=rf"worker 1 \(pid {victim}\) was killed by SIGKILL"):
+            group.run(ids, np.array([100, 100], dtype=np.int32))
+        assert_all_exited(group)
+        time.sleep(0.2)
+        assert deaths == [f"worker 1 (pid {victim}) was killed by SIGKILL"]
+    finally:
+        group.close()
+
+
+def test_a_worker_that_cannot_load_fails_start_up_and_takes_the_others(default_model_path, tmp_path):
+    broken = tmp_path / "missing-a-weight"
+    shutil.copytree(default_model_path, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["encoder.layer.3.output.dense.weight"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    group = WorkerGroup(config(broken))
+    group.start()
+    try:
+        with pytest.raises(WorkerDiedError, match=r"failed while loading[\s\S]*encoder.layer.3.output.dense"):
+            group.wait_ready(lambda _: None)
+        assert_all_exited(group)
+    finally:
+        group.close()
+
+
+def test_a_worker_killed_while_loading_does_not_leave_the_others_waiting(default_model_path):
+    group = WorkerGroup(config(default_model_path))
+    group.start()
+    try:
+        victim = group.pids[1]
+        os.kill(victim, signal.SIGKILL)  # rank 0 would wait for it in the process group's rendezvous
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDiedError, match=rf"worker 1 \(pid {victim}\) was killed by SIGKILL"):
+            group.wait_ready(lambda _: None)
+        assert time.monotonic() - t0 < 30  # not the rendezvous timeout (60 s)
+        assert_all_exited(group)
+    finally:
+        group.close()
