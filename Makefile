@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
 
-.PHONY: serve test lint typecheck unit clean
+.PHONY: serve test lint typecheck unit bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,11 @@ unit: $(VENV)/.installed-dev
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 test: lint typecheck unit
+
+# The side-by-side comparison (~15 min on 2 cores; not part of `make test`): docs/performance.md and its plot.
+bench: $(VENV)/.installed-dev
+	$(BIN)/python benchmarks/compare.py --update-docs $(BENCH_ARGS)
+	$(BIN)/python benchmarks/plot.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -1,4 +1,5 @@
-"""`embed-service serve`: every Settings field is a flag (--kebab-case) and an EMBED_* variable."""
+"""`embed-service serve` (every Settings field is a flag (--kebab-case) and an EMBED_* variable) and
+`embed-service bench` (load against any OpenAI-compatible embeddings URL)."""
 
 from __future__ import annotations
 
@@ -46,11 +47,24 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="serve a model over HTTP", formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     _add_settings_flags(serve)
+    from embed_service import bench
+
+    bench.add_arguments(
+        sub.add_parser(
+            "bench",
+            help="closed-loop load against an OpenAI-compatible /v1/embeddings URL",
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        from embed_service import bench
+
+        return bench.main(args)
     values: dict[str, Any] = {k: v for k, v in vars(args).items() if k != "command"}
     if args.command == "serve":
         try:

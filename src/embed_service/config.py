@@ -62,11 +62,23 @@ class Settings(BaseSettings):
     max_request_bytes: int = 8 * 1024 * 1024
     """Largest request body; larger ones get 413."""
 
+    priority_max_tokens: int = 256
+    """Requests of at most this many tokens (all inputs together) take the priority lane: every batch takes
+    them first, ahead of bulk work. 0: one lane, first come first served."""
+
+    priority_batch_tokens: int = 256
+    """With two or more replicas, the last one takes bulk work only in batches of at most this many tokens,
+    so a short request never waits behind more than that much work."""
+
+    data_parallel_size: int | None = None
+    """Model replicas, each its own worker process(es) forming its own batches. Default: 2 on a CPU with two
+    or more cores at tensor-parallel size 1 (each with half the cores as threads), else 1."""
+
     tensor_parallel_size: int = 1
     """Worker processes the model is sharded over (one per rank)."""
 
     num_threads: int | None = None
-    """Compute threads per worker. Default: the CPU cores divided by the tensor-parallel size."""
+    """Compute threads per worker. Default: the CPU cores divided by (tensor-parallel size x replicas)."""
 
     drain_timeout: float = 30.0
     """Seconds SIGTERM waits for admitted requests to finish before the server exits anyway."""
@@ -93,6 +105,7 @@ class Settings(BaseSettings):
         "max_client_batch_size",
         "max_request_bytes",
         "tensor_parallel_size",
+        "priority_batch_tokens",
     )
     @classmethod
     def _positive(cls, v: int) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from embed_service.batching.policy import OldestFirst
+from embed_service.batching.policy import OldestFirst, PriorityFirst
 from embed_service.batching.sequence import RequestState, Sequence
 
 LOOP = asyncio.new_event_loop()  # futures need a loop; nothing runs on it
@@ -38,3 +38,27 @@ def test_cancelled_sequences_are_dropped_before_compute():
     q = seqs([5, 5], gone) + seqs([7])
     batch = OldestFirst().take(q, max_tokens=100, max_seqs=10)
     assert [len(s.ids) for s in batch] == [7] and not q
+
+
+def test_priority_lane_goes_first_then_bulk_fills_the_budget():
+    bulk = seqs([50, 50, 50])
+    priority = seqs([5, 6])
+    batch = PriorityFirst().take_lanes(priority, bulk, max_tokens=70, max_seqs=100)
+    assert [len(s.ids) for s in batch] == [5, 6, 50]
+    assert not priority and [len(s.ids) for s in bulk] == [50, 50]
+
+
+def test_a_full_priority_batch_leaves_bulk_waiting():
+    bulk = seqs([1])
+    priority = seqs([10, 10, 10])
+    batch = PriorityFirst().take_lanes(priority, bulk, max_tokens=20, max_seqs=100)
+    assert [len(s.ids) for s in batch] == [10, 10]
+    assert len(priority) == 1 and len(bulk) == 1
+
+
+def test_priority_only_backends_and_cancelled_priority_sequences():
+    gone = RequestState(cancelled=True)
+    priority = seqs([3], gone) + seqs([4])
+    bulk = seqs([9])
+    batch = PriorityFirst().take_lanes(priority, None, max_tokens=100, max_seqs=100)
+    assert [len(s.ids) for s in batch] == [4] and len(bulk) == 1

@@ -17,7 +17,9 @@ def make(lengths: list[int], hq: int, hkv: int, d: int, dtype: torch.dtype, seed
     return q, k, v, batch
 
 
-@pytest.mark.parametrize("lengths", [[1], [7], [1, 1, 1], [5, 17, 1, 33], [64, 3, 129]])
+@pytest.mark.parametrize(
+    "lengths", [[1], [7], [1, 1, 1], [5, 17, 1, 33], [64, 3, 129], [40, 40, 40], [100, 5, 99, 4, 98, 5, 70]]
+)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (3, 1)])
 def test_matches_reference_fp32(lengths, causal, heads):

@@ -1,6 +1,9 @@
 """The queue owner. Callers append sequences and await their futures; the batcher forms batches with the
-policy, keeps exactly one prepared batch ready while the previous one computes, and runs the compute
-function on a thread, off the event loop."""
+policy and runs the compute function on a thread, off the event loop.
+
+Batches are formed when a compute backend is free (see policy.py for why); there is one backend per model
+replica.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from embed_service import metrics
-from embed_service.batching.policy import BatchPolicy, OldestFirst
+from embed_service.batching.policy import PriorityFirst
 from embed_service.batching.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -25,82 +28,111 @@ ComputeFn = Callable[[np.ndarray, np.ndarray], list[Any]]
 
 
 class Batcher:
+    """Two lanes (priority, bulk) and one run loop per compute backend (model replica).
+
+    Every loop forms its batch when its backend is free: priority sequences first, then bulk ones. With
+    two or more backends and `priority_batch_tokens` set, the last backend takes at most that many tokens
+    per batch, so it is free again soon for the next short request.
+    """
+
     def __init__(
         self,
-        compute: ComputeFn,
+        compute: ComputeFn | list[ComputeFn],
         max_batch_tokens: int,
         max_batch_requests: int,
         model: str,
-        policy: BatchPolicy | None = None,
+        priority_batch_tokens: int = 0,
     ):
-        self.compute = compute
+        self.backends = compute if isinstance(compute, list) else [compute]
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_requests = max_batch_requests
-        self.policy = policy or OldestFirst()
-        self.queue: deque[Sequence] = deque()
+        self.policy = PriorityFirst()
+        self.queue: deque[Sequence] = deque()  # bulk lane
+        self.priority: deque[Sequence] = deque()
         self.model = model
-        self._wakeup = asyncio.Event()
-        self._prepared: asyncio.Queue[tuple[list[Sequence], np.ndarray, np.ndarray]] = asyncio.Queue(
-            maxsize=1
-        )
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compute-{model}")
+        self.budgets = [max_batch_tokens] * len(self.backends)
+        if priority_batch_tokens and len(self.backends) > 1:
+            self.budgets[-1] = min(priority_batch_tokens, max_batch_tokens)
+        self._wakeups = [asyncio.Event() for _ in self.backends]
+        self._busy = [False] * len(self.backends)
+        self._threads: list[ThreadPoolExecutor] = []
         self._tasks: list[asyncio.Task] = []
         self._queue_gauge = metrics.QUEUE_SIZE.labels(model)
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._form_loop()), asyncio.create_task(self._run_loop())]
+        self._tasks = [asyncio.create_task(self._run_loop(i)) for i in range(len(self.backends))]
 
-    def submit(self, seqs: list[Sequence]) -> None:
+    def submit(self, seqs: list[Sequence], priority: bool = False) -> None:
         now = time.perf_counter()
         for s in seqs:
             s.enqueued_at = now
-        self.queue.extend(seqs)
-        self._queue_gauge.set(len(self.queue))
-        self._wakeup.set()
+        (self.priority if priority else self.queue).extend(seqs)
+        self._update_gauge()
+        for wakeup in self._wakeups:
+            wakeup.set()
+
+    def _update_gauge(self) -> None:
+        self._queue_gauge.set(len(self.queue) + len(self.priority))
 
     def fail_all(self, exc: BaseException) -> None:
         """Answer every waiting sequence with an error (the compute backend is gone)."""
-        while self.queue:
-            s = self.queue.popleft()
-            if not s.future.done():
-                s.future.set_exception(exc)
-        self._queue_gauge.set(0)
+        for lane in (self.priority, self.queue):
+            while lane:
+                s = lane.popleft()
+                if not s.future.done():
+                    s.future.set_exception(exc)
+        self._update_gauge()
 
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._thread.shutdown(wait=False, cancel_futures=True)
+        for pool in self._threads:
+            pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _form_loop(self) -> None:
+    def _share(self, budget: int) -> int:
+        """With other replicas idle, take only a fair part of what waits, so that they all compute
+        (4 requests of 32 short queries are one batch's worth, but two replicas finish them sooner)."""
+        free = self._busy.count(False)
+        if free <= 1:
+            return budget
+        waiting = sum(len(s.ids) for s in self.priority) + sum(len(s.ids) for s in self.queue)
+        return max(1, min(budget, -(-waiting // free)))
+
+    async def _run_loop(self, index: int) -> None:
+        loop = asyncio.get_running_loop()
+        compute, wakeup, budget = self.backends[index], self._wakeups[index], self.budgets[index]
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compute-{self.model}-{index}")
+        self._threads.append(pool)
         while True:
-            await self._wakeup.wait()
-            batch = self.policy.take(self.queue, self.max_batch_tokens, self.max_batch_requests)
-            self._queue_gauge.set(len(self.queue))
-            if not self.queue:
-                self._wakeup.clear()
+            await wakeup.wait()
+            batch = self.policy.take_lanes(
+                self.priority, self.queue, self._share(budget), self.max_batch_requests
+            )
+            self._update_gauge()
+            if not (self.queue or self.priority):
+                wakeup.clear()
             if not batch:
                 continue
             lengths = np.fromiter((len(s.ids) for s in batch), dtype=np.int32, count=len(batch))
             ids = np.fromiter((t for s in batch for t in s.ids), dtype=np.int32, count=int(lengths.sum()))
-            await self._prepared.put((batch, ids, lengths))  # waits while one prepared batch is pending
-
-    async def _run_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            batch, ids, lengths = await self._prepared.get()
             start = time.perf_counter()
             for s in batch:
                 metrics.QUEUE_DURATION.labels(self.model).observe(start - s.enqueued_at)
             metrics.BATCH_SIZE.labels(self.model).observe(len(batch))
             metrics.BATCH_TOKENS.labels(self.model).observe(len(ids))
+            self._busy[index] = True
             try:
-                results = await loop.run_in_executor(self._thread, self.compute, ids, lengths)
+                results = await loop.run_in_executor(pool, compute, ids, lengths)
             except Exception as exc:  # the engine maps it to an HTTP status
                 for s in batch:
                     if not s.future.done():
                         s.future.set_exception(exc)
                 continue
+            finally:
+                self._busy[index] = False
+                if self.queue or self.priority:
+                    wakeup.set()
             metrics.INFERENCE_DURATION.labels(self.model).observe(time.perf_counter() - start)
             for s, r in zip(batch, results):
                 if not s.future.done():

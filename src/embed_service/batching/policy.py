@@ -1,4 +1,15 @@
-"""How a batch is formed from the waiting sequences. The one place the batching policy lives."""
+"""How a batch is formed from the waiting sequences. The one place the batching policy lives.
+
+The default policy (`PriorityFirst`):
+- Two lanes. Sequences of small requests (interactive traffic, the engine decides which) wait in the
+  priority lane; everything else in the bulk lane. A batch takes the priority lane first, oldest first,
+  then fills up from the bulk lane, oldest first, until the next sequence would pass the token or
+  sequence budget. A batch always takes at least one sequence, however long.
+- Batches are formed at the moment compute is free, never ahead of time: a short request that arrives
+  while a batch runs is in the very next batch, not behind one formed (frozen) before it came.
+- Lengths are not packed here: the attention kernel groups the sequences of a batch by length itself
+  (ops/attention.py), so arrival order can be kept and a request's inputs finish together.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +25,24 @@ class BatchPolicy(Protocol):
         ...
 
 
+def fill(
+    queue: deque[Sequence], batch: list[Sequence], tokens: int, max_tokens: int, max_seqs: int
+) -> tuple[int, bool]:
+    """Move sequences from the head of `queue` into `batch` while they fit. Returns (tokens in the batch,
+    whether the batch is full: the next sequence did not fit)."""
+    while queue and len(batch) < max_seqs:
+        seq = queue[0]
+        if seq.cancelled:
+            queue.popleft()
+            continue
+        if batch and tokens + len(seq.ids) > max_tokens:
+            return tokens, True
+        queue.popleft()
+        batch.append(seq)
+        tokens += len(seq.ids)
+    return tokens, len(batch) >= max_seqs
+
+
 class OldestFirst:
     """The longest-waiting sequences, until the next would pass the token or sequence budget.
 
@@ -22,15 +51,18 @@ class OldestFirst:
 
     def take(self, queue: deque[Sequence], max_tokens: int, max_seqs: int) -> list[Sequence]:
         batch: list[Sequence] = []
-        tokens = 0
-        while queue and len(batch) < max_seqs:
-            seq = queue[0]
-            if seq.cancelled:
-                queue.popleft()
-                continue
-            if batch and tokens + len(seq.ids) > max_tokens:
-                break
-            queue.popleft()
-            batch.append(seq)
-            tokens += len(seq.ids)
+        fill(queue, batch, 0, max_tokens, max_seqs)
+        return batch
+
+
+class PriorityFirst:
+    """The priority lane first, then the bulk lane, each oldest first, within the budgets."""
+
+    def take_lanes(
+        self, priority: deque[Sequence], bulk: deque[Sequence] | None, max_tokens: int, max_seqs: int
+    ) -> list[Sequence]:
+        batch: list[Sequence] = []
+        tokens, full = fill(priority, batch, 0, max_tokens, max_seqs)
+        if bulk is not None and not full:
+            fill(bulk, batch, tokens, max_tokens, max_seqs)
         return batch

@@ -34,3 +34,26 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU on a merged [gate | up] projection: (T, 2I) -> (T, I)."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def _fused_linear_gelu_available() -> bool:
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except Exception:
+        return False
+
+
+FUSED_LINEAR_GELU = _fused_linear_gelu_available()
+
+
+def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, name: str) -> torch.Tensor:
+    """act(x @ weight.T + bias): (T, in) -> (T, out).
+
+    On a CPU in bfloat16, exact GELU runs as a oneDNN post-op of the matmul (the kernel torch.compile
+    uses for the same pattern): the activation is applied to the float32 accumulator before rounding, and
+    the (T, out) intermediate is written once instead of three times. Measured on a passages batch
+    (4.5k tokens, 1 thread): 319 -> 289 ms per forward.
+    """
+    if name == "gelu" and FUSED_LINEAR_GELU and x.device.type == "cpu" and x.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "gelu", [], "none")
+    return get_activation(name)(F.linear(x, weight, bias))

@@ -132,9 +132,9 @@ class RowParallelLinear(nn.Module):
         default_weight_loader(param, loaded.narrow(1, tp_rank() * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        if self.tp_size > 1:
-            y = all_reduce(y)
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)  # bias fused into the matmul (addmm)
+        y = all_reduce(F.linear(x, self.weight))
         if self.bias is not None:
             y = y + self.bias
         return y

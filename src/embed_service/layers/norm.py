@@ -22,7 +22,8 @@ class LayerNorm(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
+        if x.dtype == torch.float32 or (x.device.type == "cpu" and x.dtype == self.weight.dtype):
+            # The CPU kernel accumulates bfloat16/float16 in float32 already: no casts, no copies.
             return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
         bias = None if self.bias is None else self.bias.float()
         return F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), bias, self.eps).to(x.dtype)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from embed_service.layers.activation import get_activation
+from embed_service.layers.activation import get_activation, linear_act
 from embed_service.layers.embedding import ReplicatedEmbedding, VocabParallelEmbedding
 from embed_service.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from embed_service.layers.norm import LayerNorm
@@ -86,10 +86,11 @@ class BertIntermediate(nn.Module):
         self.dense = ColumnParallelLinear(
             cfg["hidden_size"], cfg["intermediate_size"], what="intermediate size"
         )
-        self.act = get_activation(cfg.get("hidden_act", "gelu"))
+        self.act_name = cfg.get("hidden_act", "gelu")
+        get_activation(self.act_name)  # refuse an unknown activation at build time
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.dense(x))
+        return linear_act(x, self.dense.weight, self.dense.bias, self.act_name)  # fused where it can be
 
 
 class BertLayer(nn.Module):

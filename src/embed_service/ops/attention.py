@@ -1,8 +1,8 @@
 """Variable-length attention over the flat token stream.
 
-flash-attn's varlen kernel on CUDA when it is installed; elsewhere the stream is scattered into a padded
-(B, H, L, D) grid for torch's scaled_dot_product_attention and gathered back. Padding exists only inside
-this function. ``varlen_attention_reference`` is the plain per-sequence twin the tests compare against.
+flash-attn's varlen kernel on CUDA when it is installed; elsewhere the sequences are sorted into groups of
+similar length, and each group is copied into a padded (B, H, L, D) grid for torch's
+scaled_dot_product_attention and copied back. Padding exists only inside this function. ``varlen_attention_reference`` is the plain per-sequence twin the tests compare against.
 
 ``window`` restricts each query to keys at most that many positions away (sliding-window attention, as in
 ModernBERT's local layers and Mistral); with ``causal`` only the keys behind the query count.
@@ -14,8 +14,9 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
-from embed_service.ops.batch import FlatBatch
+from embed_service.ops.batch import FlatBatch, LengthGroup
 
 try:  # optional: the `gpu` extra
     from flash_attn import flash_attn_varlen_func
@@ -53,32 +54,63 @@ def varlen_attention(
             window_size=(-1, -1) if window is None else (window, 0 if causal else window),
         )
     gqa = q.shape[1] != k.shape[1]
-    if batch.num_seqs == 1 and window is None:
-        # (1, H, T, D): no padding at all.
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            k.transpose(0, 1)[None],
-            v.transpose(0, 1)[None],
+    out = torch.empty_like(q)
+    for group in batch.length_groups(GROUP_RATIO):
+        _attend_group(q, k, v, out, group, causal, scale, gqa, window)
+    return out
+
+
+# A new group starts when a sequence is shorter than this fraction of the group's longest one, so the
+# padded grid of a group holds at most ~1 / GROUP_RATIO**2 times the attention work of its real tokens.
+GROUP_RATIO = 0.7
+
+
+def _attend_group(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    group: LengthGroup,
+    causal: bool,
+    scale: float,
+    gqa: bool,
+    window: int | None,
+) -> None:
+    """Attention over one group of similar-length sequences, written into `out` (T, Hq, D) in place.
+
+    Why groups: torch's CPU SDPA kernel costs ~B * L_max**2, and a batch mixing 20- and 256-token inputs
+    would pay 256**2 for every one of them. Why slices rather than index_put/gather: the sequences are
+    contiguous runs of the flat stream, so padding is B memcpys (pad_sequence) instead of a scatter over a
+    zero-filled (B * L) grid, which cost as much as the attention itself.
+    """
+    spans = group.spans
+    if len(spans) == 1 and window is None:  # (1, H, n, D): no padding, no mask
+        s, e = spans[0]
+        o = F.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1)[None],
+            k[s:e].transpose(0, 1)[None],
+            v[s:e].transpose(0, 1)[None],
             is_causal=causal,
             scale=scale,
             enable_gqa=gqa,
         )
-        return out[0].transpose(0, 1)
-    pad_index, key_valid = batch.padded_layout()
-    b, L = key_valid.shape
+        out[s:e] = o[0].transpose(0, 1)
+        return
 
-    def to_grid(x: torch.Tensor) -> torch.Tensor:
-        grid = x.new_zeros(b * L, x.shape[1], x.shape[2])
-        grid[pad_index] = x
-        return grid.view(b, L, x.shape[1], x.shape[2]).transpose(1, 2)  # (B, H, L, D)
+    def grid(x: torch.Tensor) -> torch.Tensor:  # (T, H, D) -> (B, H, L, D), zeros past each length
+        return pad_sequence([x[s:e] for s, e in spans], batch_first=True).transpose(1, 2)
 
-    mask = key_valid[:, None, None, :]  # (B, 1, 1, L): True where a key is real
+    mask = group.key_valid  # (B, 1, 1, L) or None when every sequence has length L
     if causal or window is not None:
-        mask = mask & _allowed(L, causal, window, q.device)
-    out = F.scaled_dot_product_attention(
-        to_grid(q), to_grid(k), to_grid(v), attn_mask=mask, scale=scale, enable_gqa=gqa
-    )
-    return out.transpose(1, 2).reshape(b * L, q.shape[1], q.shape[2])[pad_index]
+        allowed = _allowed(group.max_len, causal, window, q.device)
+        mask = allowed if mask is None else mask & allowed
+    o = F.scaled_dot_product_attention(
+        grid(q), grid(k), grid(v), attn_mask=mask, scale=scale, enable_gqa=gqa
+    ).transpose(1, 2)  # (B, L, H, D)
+    # Back to the flat stream in two ops, not one copy per sequence: the real rows in (sequence, position)
+    # order, then into their places.
+    rows = o.reshape(-1, o.shape[2], o.shape[3]) if group.key_valid is None else o[group.key_valid[:, 0, 0]]
+    out.index_copy_(0, group.token_index, rows)
 
 
 def _allowed(n: int, causal: bool, window: int | None, device: torch.device) -> torch.Tensor:

@@ -8,6 +8,18 @@ import torch
 
 
 @dataclass
+class LengthGroup:
+    """Sequences of similar length, for kernels that pad: spans [(start, end)] into the flat stream (longest
+    first); key_valid (B, 1, 1, L) bool, None when every sequence is L long; token_index (sum of lengths,)
+    int64: the flat position of each real grid row, in (sequence, position) order."""
+
+    spans: list[tuple[int, int]]
+    max_len: int
+    key_valid: torch.Tensor | None
+    token_index: torch.Tensor
+
+
+@dataclass
 class FlatBatch:
     """Sequences laid end to end.
 
@@ -21,6 +33,7 @@ class FlatBatch:
     cu_seqlens: torch.Tensor
     max_seqlen: int
     _padded: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _groups: list[LengthGroup] | None = field(default=None, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -51,3 +64,26 @@ class FlatBatch:
             key_valid = torch.arange(self.max_seqlen, device=cu.device)[None, :] < lens[:, None]
             self._padded = (pad_index, key_valid)
         return self._padded
+
+    def length_groups(self, ratio: float) -> list[LengthGroup]:
+        """The sequences sorted by length, longest first, cut where one is shorter than `ratio` times the
+        longest of its group. Computed once per batch and shared by every layer."""
+        if self._groups is None:
+            bounds = self.cu_seqlens.tolist()
+            spans = sorted(zip(bounds[:-1], bounds[1:]), key=lambda se: se[0] - se[1])
+            cuts: list[list[tuple[int, int]]] = []
+            for s, e in spans:
+                if not cuts or e - s < ratio * (cuts[-1][0][1] - cuts[-1][0][0]):
+                    cuts.append([])
+                cuts[-1].append((s, e))
+            self._groups = []
+            for group in cuts:
+                lens = torch.tensor([e - s for s, e in group])
+                L = int(lens[0])
+                valid = None
+                if int(lens[-1]) != L:
+                    valid = (torch.arange(L)[None, :] < lens[:, None])[:, None, None, :]
+                    valid = valid.to(self.cu_seqlens.device)
+                index = torch.cat([torch.arange(s, e) for s, e in group]).to(self.cu_seqlens.device)
+                self._groups.append(LengthGroup(group, L, valid, index))
+        return self._groups
