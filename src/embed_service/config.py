@@ -72,7 +72,8 @@ class Settings(BaseSettings):
 
     data_parallel_size: int | None = None
     """Model replicas, each its own worker process(es) forming its own batches. Default: 2 on a CPU with two
-    or more cores at tensor-parallel size 1 (each with half the cores as threads), else 1."""
+    or more cores at tensor-parallel size 1 when two copies of the weights take at most an eighth of the
+    memory (each replica with half the cores as threads), else 1."""
 
     tensor_parallel_size: int = 1
     """Worker processes the model is sharded over (one per rank)."""

@@ -26,9 +26,13 @@ def config(model: Path) -> WorkerConfig:
 
 
 def assert_all_exited(group: WorkerGroup) -> None:
+    # The group's watcher thread may be reaping the same processes: a join here can return before that
+    # thread has recorded the exit code, so wait for the code rather than trusting one join.
+    deadline = time.monotonic() + 10
     for p in group.procs:
-        p.join(5)
-        assert not p.is_alive(), f"worker pid {p.pid} is still running"
+        while p.exitcode is None and time.monotonic() < deadline:
+            p.join(0.1)
+        assert p.exitcode is not None, f"worker pid {p.pid} is still running"
 
 
 def test_a_killed_worker_fails_the_batch_and_is_reported_once(default_model_path):

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -76,6 +77,16 @@ def finish(vectors: np.ndarray, dimensions: int | None, normalize: bool) -> np.n
     return np.ascontiguousarray(vectors, dtype=np.float32)
 
 
+def small_enough_to_copy(spec: ModelSpec) -> bool:
+    """Two copies of the checkpoint fit in an eighth of the machine's memory."""
+    weights = sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in spec.path.glob(pattern))
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return False
+    return 2 * weights <= memory // 8
+
+
 class Engine:
     def __init__(self, settings: Settings, spec: ModelSpec, served_names: list[str]):
         self.settings = settings
@@ -97,8 +108,11 @@ class Engine:
         # stalls at every barrier while one of its threads waits for a core the event loop or the
         # client holds (measured on 2 busy cores: 26 vs 5 passages/s), and a second replica lets a short
         # request run beside a long batch instead of behind it.
+        # Only where a second copy of the weights is cheap: a 7B checkpoint must not be loaded twice.
         self.replicas = settings.data_parallel_size or (
-            2 if self.device == "cpu" and tp == 1 and available_cores() >= 2 else 1
+            2
+            if self.device == "cpu" and tp == 1 and available_cores() >= 2 and small_enough_to_copy(spec)
+            else 1
         )
         self.num_threads = settings.num_threads or max(1, available_cores() // (tp * self.replicas))
         self.worker_config = WorkerConfig(
