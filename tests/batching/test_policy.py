@@ -62,3 +62,18 @@ def test_priority_only_backends_and_cancelled_priority_sequences():
     bulk = seqs([9])
     batch = PriorityFirst().take_lanes(priority, None, max_tokens=100, max_seqs=100)
     assert [len(s.ids) for s in batch] == [4] and len(bulk) == 1
+
+
+def test_a_batch_with_priority_work_takes_little_bulk_work():
+    bulk = seqs([100] * 50)
+    priority = seqs([12])
+    batch = PriorityFirst().take_lanes(
+        priority, bulk, max_tokens=16384, max_seqs=256, priority_fill_tokens=256
+    )
+    assert [len(s.ids) for s in batch] == [12, 100, 100]  # 212 tokens: the next 100 would pass 256
+    assert len(bulk) == 48
+    # Without priority work the full budget applies.
+    batch = PriorityFirst().take_lanes(
+        seqs([]), bulk, max_tokens=1000, max_seqs=256, priority_fill_tokens=256
+    )
+    assert len(batch) == 10

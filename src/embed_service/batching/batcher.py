@@ -50,6 +50,7 @@ class Batcher:
         self.queue: deque[Sequence] = deque()  # bulk lane
         self.priority: deque[Sequence] = deque()
         self.model = model
+        self.priority_fill_tokens = priority_batch_tokens
         self.budgets = [max_batch_tokens] * len(self.backends)
         if priority_batch_tokens and len(self.backends) > 1:
             self.budgets[-1] = min(priority_batch_tokens, max_batch_tokens)
@@ -107,7 +108,11 @@ class Batcher:
         while True:
             await wakeup.wait()
             batch = self.policy.take_lanes(
-                self.priority, self.queue, self._share(budget), self.max_batch_requests
+                self.priority,
+                self.queue,
+                self._share(budget),
+                self.max_batch_requests,
+                self.priority_fill_tokens,
             )
             self._update_gauge()
             if not (self.queue or self.priority):

@@ -56,13 +56,24 @@ class OldestFirst:
 
 
 class PriorityFirst:
-    """The priority lane first, then the bulk lane, each oldest first, within the budgets."""
+    """The priority lane first, then the bulk lane, each oldest first, within the budgets.
+
+    A batch that carries priority sequences takes bulk work only up to `priority_fill_tokens` in all:
+    a short request must not ride in (and wait for) a full-size bulk batch.
+    """
 
     def take_lanes(
-        self, priority: deque[Sequence], bulk: deque[Sequence] | None, max_tokens: int, max_seqs: int
+        self,
+        priority: deque[Sequence],
+        bulk: deque[Sequence] | None,
+        max_tokens: int,
+        max_seqs: int,
+        priority_fill_tokens: int = 0,
     ) -> list[Sequence]:
         batch: list[Sequence] = []
         tokens, full = fill(priority, batch, 0, max_tokens, max_seqs)
         if bulk is not None and not full:
+            if batch and priority_fill_tokens:
+                max_tokens = min(max_tokens, max(tokens, priority_fill_tokens))
             fill(bulk, batch, tokens, max_tokens, max_seqs)
         return batch
