@@ -14,15 +14,8 @@ The default policy (`PriorityFirst`):
 from __future__ import annotations
 
 from collections import deque
-from typing import Protocol
 
 from embed_service.batching.sequence import Sequence
-
-
-class BatchPolicy(Protocol):
-    def take(self, queue: deque[Sequence], max_tokens: int, max_seqs: int) -> list[Sequence]:
-        """Remove and return the next batch; cancelled sequences are dropped on the way."""
-        ...
 
 
 def fill(
@@ -41,18 +34,6 @@ def fill(
         batch.append(seq)
         tokens += len(seq.ids)
     return tokens, len(batch) >= max_seqs
-
-
-class OldestFirst:
-    """The longest-waiting sequences, until the next would pass the token or sequence budget.
-
-    A batch always takes at least one sequence, however long.
-    """
-
-    def take(self, queue: deque[Sequence], max_tokens: int, max_seqs: int) -> list[Sequence]:
-        batch: list[Sequence] = []
-        fill(queue, batch, 0, max_tokens, max_seqs)
-        return batch
 
 
 class PriorityFirst:

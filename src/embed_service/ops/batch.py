@@ -24,15 +24,14 @@ class FlatBatch:
     """Sequences laid end to end.
 
     input_ids, positions: (T,) int64; cu_seqlens: (B + 1,) int32 with cu_seqlens[0] = 0 and [-1] = T.
-    Positions restart at 0 for each sequence. The padded layout used by attention kernels that need one is
-    derived once per batch and shared by every layer.
+    Positions restart at 0 for each sequence. The length groups that attention pads by are derived once
+    per batch and shared by every layer.
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     cu_seqlens: torch.Tensor
     max_seqlen: int
-    _padded: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     _groups: list[LengthGroup] | None = field(default=None, repr=False)
 
     @property
@@ -52,18 +51,6 @@ class FlatBatch:
         return FlatBatch(
             self.input_ids.to(device), self.positions.to(device), self.cu_seqlens.to(device), self.max_seqlen
         )
-
-    def padded_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pad_index (T,), key_valid (B, L)): where each token sits in a (B * L) padded grid, and which
-        grid cells hold real tokens."""
-        if self._padded is None:
-            cu = self.cu_seqlens.long()
-            lens = cu[1:] - cu[:-1]
-            seq_of_token = torch.repeat_interleave(torch.arange(self.num_seqs, device=cu.device), lens)
-            pad_index = seq_of_token * self.max_seqlen + self.positions
-            key_valid = torch.arange(self.max_seqlen, device=cu.device)[None, :] < lens[:, None]
-            self._padded = (pad_index, key_valid)
-        return self._padded
 
     def length_groups(self, ratio: float) -> list[LengthGroup]:
         """The sequences sorted by length, longest first, cut where one is shorter than `ratio` times the
