@@ -1,12 +1,62 @@
-"""The varlen attention fast path against its per-sequence reference twin, over odd sizes."""
+"""Both CPU varlen attention paths (the compiled kernel and the torch fallback) against the per-sequence
+reference twin, over odd sizes, head sizes, dtypes and strided views."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
 
-from embed_service.ops.attention import varlen_attention, varlen_attention_reference
+from embed_service.ops import attention as attention_mod
+from embed_service.ops.attention import varlen_attention_reference, varlen_attention_torch
 from embed_service.ops.batch import FlatBatch
+from embed_service.ops.cpu_kernels import attention_kernel
+
+
+def _kernel_path(q, k, v, batch, causal, scale=None, window=None):
+    kernel = attention_kernel()
+    if kernel is None:
+        pytest.skip("the compiled CPU kernel is unavailable here (no C compiler); the torch path is tested")
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    assert kernel.supports(q, k, v)
+    return kernel(q, k, v, batch.cu_seqlens, batch.max_seqlen, causal, scale, window)
+
+
+def _torch_path(q, k, v, batch, causal, scale=None, window=None):
+    return varlen_attention_torch(q, k, v, batch, causal, scale or q.shape[-1] ** -0.5, window)
+
+
+PATHS = pytest.mark.parametrize("varlen_attention", [_kernel_path, _torch_path], ids=["kernel", "torch"])
+
+
+def test_kernel_is_built_where_a_compiler_exists():
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler on this machine: the server runs on torch's kernels")
+    assert attention_kernel() is not None
+
+
+def test_dispatch_uses_the_kernel_on_cpu(monkeypatch):
+    calls = []
+    kernel = attention_kernel()
+    if kernel is None:
+        pytest.skip("the compiled CPU kernel is unavailable here (no C compiler)")
+    monkeypatch.setattr(attention_mod, "attention_kernel", lambda: _Spy(kernel, calls))
+    q, k, v, batch = make([3, 5], 2, 2, 16, torch.float32)
+    attention_mod.varlen_attention(q, k, v, batch, causal=False)
+    assert calls == [1]
+
+
+class _Spy:
+    def __init__(self, kernel, calls):
+        self.kernel, self.calls = kernel, calls
+
+    def supports(self, *a):
+        return self.kernel.supports(*a)
+
+    def __call__(self, *a):
+        self.calls.append(1)
+        return self.kernel(*a)
 
 
 def make(lengths: list[int], hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int = 0):
@@ -22,21 +72,41 @@ def make(lengths: list[int], hq: int, hkv: int, d: int, dtype: torch.dtype, seed
 )
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (3, 1)])
-def test_matches_reference_fp32(lengths, causal, heads):
+@PATHS
+def test_matches_reference_fp32(varlen_attention, lengths, causal, heads):
     q, k, v, batch = make(lengths, heads[0], heads[1], 24, torch.float32)
     got = varlen_attention(q, k, v, batch, causal=causal)
     want = varlen_attention_reference(q, k, v, batch.cu_seqlens, causal=causal)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
-def test_matches_reference_bf16():
-    q, k, v, batch = make([9, 40, 2], 8, 2, 32, torch.bfloat16)
+@pytest.mark.parametrize("d", [32, 64, 128, 80])
+@PATHS
+def test_matches_reference_bf16(varlen_attention, d):
+    q, k, v, batch = make([9, 40, 2, 300], 8, 2, d, torch.bfloat16)
     got = varlen_attention(q, k, v, batch, causal=False).float()
     want = varlen_attention_reference(q, k, v, batch.cu_seqlens, causal=False).float()
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
-def test_sequences_do_not_see_each_other():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@PATHS
+def test_strided_views_of_a_packed_projection(varlen_attention, dtype, causal):
+    """What the models pass: q, k, v as views into one (T, (Hq + 2 Hkv) * D) projection."""
+    lengths = [17, 1, 64, 33]
+    t, hq, hkv, d = sum(lengths), 6, 2, 32
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=torch.Generator().manual_seed(1)).to(dtype)
+    q, k, v = qkv.view(t, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)
+    batch = FlatBatch.from_lengths(torch.zeros(t, dtype=torch.long), lengths)
+    got = varlen_attention(q, k, v, batch, causal=causal).float()
+    want = varlen_attention_reference(q, k, v, batch.cu_seqlens, causal=causal).float()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@PATHS
+def test_sequences_do_not_see_each_other(varlen_attention):
     q, k, v, batch = make([10, 12], 2, 2, 8, torch.float32)
     alone = varlen_attention(
         q[:10], k[:10], v[:10], FlatBatch.from_lengths(torch.zeros(10), [10]), causal=False

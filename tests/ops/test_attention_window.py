@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from embed_service.ops.attention import varlen_attention, varlen_attention_reference
+from embed_service.ops.attention import varlen_attention_reference
 from embed_service.ops.batch import FlatBatch
+from tests.ops.test_attention import PATHS
 
 
 def dense(q, k, v, lengths, causal, window):
@@ -33,7 +34,8 @@ def dense(q, k, v, lengths, causal, window):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("window", [None, 0, 3, 8, 40])
 @pytest.mark.parametrize("lengths", [[1], [13], [5, 1, 17, 9]])
-def test_window_matches_dense(causal, window, lengths):
+@PATHS
+def test_window_matches_dense(varlen_attention, causal, window, lengths):
     torch.manual_seed(sum(lengths))
     t = sum(lengths)
     q, k, v = torch.randn(t, 4, 16), torch.randn(t, 2, 16), torch.randn(t, 2, 16)  # grouped-query heads

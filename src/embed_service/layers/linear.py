@@ -13,6 +13,36 @@ from torch import nn
 from embed_service.parallel import all_reduce, tp_rank, tp_world_size
 
 
+def _onednn_linear_available() -> bool:
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except Exception:
+        return False
+
+
+ONEDNN_LINEAR = _onednn_linear_available()
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias, the one matmul entry point of the layers.
+
+    On a CPU in bfloat16 it calls oneDNN's matmul primitive directly (the kernel torch.compile emits for
+    linear layers), which F.linear reaches only through aten's addmm and its checks and copies. Measured
+    on this project's 2-core AMX machine, interleaved, median of 15 calls, (tokens, 384) x (384, out):
+    0.36 -> 0.55 TFLOP/s at 9.5k tokens and 1.05 -> 1.30 at 2k tokens for out = 1152; float32 gains
+    nothing (both are MKL's sgemm underneath), so it keeps F.linear.
+    """
+    if (
+        ONEDNN_LINEAR
+        and x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and x.dim() == 2
+        and weight.dtype == torch.bfloat16
+    ):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what} ({numerator}) does not divide by the tensor-parallel size ({denominator})")
@@ -41,7 +71,7 @@ class ReplicatedLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return dense(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -64,7 +94,7 @@ class ColumnParallelLinear(nn.Module):
         default_weight_loader(param, loaded.narrow(0, tp_rank() * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return dense(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -133,8 +163,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)  # bias fused into the matmul (addmm)
-        y = all_reduce(F.linear(x, self.weight))
+            return dense(x, self.weight, self.bias)  # bias fused into the matmul
+        y = all_reduce(dense(x, self.weight))
         if self.bias is not None:
             y = y + self.bias
         return y

@@ -1,8 +1,9 @@
 """Variable-length attention over the flat token stream.
 
-flash-attn's varlen kernel on CUDA when it is installed; elsewhere the sequences are sorted into groups of
-similar length, and each group is copied into a padded (B, H, L, D) grid for torch's
-scaled_dot_product_attention and copied back. Padding exists only inside this function. ``varlen_attention_reference`` is the plain per-sequence twin the tests compare against.
+flash-attn's varlen kernel on CUDA when it is installed; on a CPU the project's own compiled kernel
+(ops/csrc/varlen_attention.c: no padding, reads q/k/v through their strides) when it could be built; elsewhere
+the sequences are sorted into groups of similar length, and each group is copied into a padded (B, H, L, D)
+grid for torch's scaled_dot_product_attention and copied back. Padding exists only inside this function. ``varlen_attention_reference`` is the plain per-sequence twin the tests compare against.
 
 ``window`` restricts each query to keys at most that many positions away (sliding-window attention, as in
 ModernBERT's local layers and Mistral); with ``causal`` only the keys behind the query count.
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from embed_service.ops.batch import FlatBatch, LengthGroup
+from embed_service.ops.cpu_kernels import attention_kernel
 
 try:  # optional: the `gpu` extra
     from flash_attn import flash_attn_varlen_func
@@ -53,6 +55,22 @@ def varlen_attention(
             causal=causal,
             window_size=(-1, -1) if window is None else (window, 0 if causal else window),
         )
+    kernel = attention_kernel() if q.device.type == "cpu" else None
+    if kernel is not None and kernel.supports(q, k, v):
+        return kernel(q, k, v, batch.cu_seqlens, batch.max_seqlen, causal, scale, window)
+    return varlen_attention_torch(q, k, v, batch, causal, scale, window)
+
+
+def varlen_attention_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: FlatBatch,
+    causal: bool,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """The torch-only path: length groups padded into grids for scaled_dot_product_attention."""
     gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q)
     for group in batch.length_groups(GROUP_RATIO):

@@ -1,0 +1,221 @@
+/* Variable-length attention on the CPU, straight from the flat token stream.
+ *
+ * Why: torch's CPU attention (the flash kernel behind scaled_dot_product_attention) costs a few
+ * microseconds per (sequence, head) whatever the size, and at head sizes of 32-64 with short sequences
+ * that fixed cost is most of an encoder's forward. Here one work item is one (sequence, head): its keys
+ * and values are converted once to float32 in a scratch area (keys transposed), then queries go four at a
+ * time against blocks of 16 keys with every accumulator in registers. No padding, no masks, no copies of
+ * the stream: q, k, v are read through their strides (views of the packed qkv projection) and the output
+ * is written in place.
+ *
+ * Layout: q (T, Hq, D), k and v (T, Hkv, D), out (T, Hq, D); last dimension contiguous; strides in
+ * elements. dtype 0 = float32, 1 = bfloat16 (converted exactly to float32; rounded to nearest even on
+ * the way out). Softmax in float32. causal: a query sees keys at or before it. window >= 0: keys at most
+ * `window` positions away (before it only, when causal).
+ *
+ * Built by embed_service.ops.cpu_kernels with the system C compiler; nothing here is required: without a
+ * compiler the server falls back to torch.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QB 4  /* queries per step */
+#define KB 16 /* keys per block: one vector of 16 float32 (a 512-bit register where the CPU has them) */
+
+/* Explicit vectors through the compiler's vector extension (GCC, Clang): one source for every target;
+ * without 512-bit registers the compiler splits each into narrower ones. */
+typedef float vf16 __attribute__((vector_size(64)));
+typedef float vf16u __attribute__((vector_size(64), aligned(4)));
+
+static inline vf16 vload(const float *p) { return *(const vf16u *)p; }
+static inline void vstore(float *p, vf16 x) { *(vf16u *)p = x; }
+static inline vf16 vsplat(float a) { return (vf16){0} + a; }
+
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even (finite inputs) */
+    return (uint16_t)(u >> 16);
+}
+
+/* n values of a row to float32 (bf16: exact). */
+static inline __attribute__((always_inline)) void load_row(float *restrict dst, const void *src, int n, int bf16) {
+    if (bf16) {
+        const uint16_t *s = (const uint16_t *)src;
+        for (int i = 0; i < n; i++) dst[i] = bf16_to_float(s[i]);
+    } else {
+        memcpy(dst, src, sizeof(float) * n);
+    }
+}
+
+static inline __attribute__((always_inline)) void store_row(void *dst, const float *restrict src, float mul, int n,
+                                                            int bf16) {
+    if (bf16) {
+        uint16_t *d = (uint16_t *)dst;
+        for (int i = 0; i < n; i++) d[i] = float_to_bf16(src[i] * mul);
+    } else {
+        float *d = (float *)dst;
+        for (int i = 0; i < n; i++) d[i] = src[i] * mul;
+    }
+}
+
+/* Scores of QB queries against keys [jb, jb + 2 KB): s[r][jb + u] = sum_d qs[r][d] * kt[d][jb + u].
+ * Eight independent accumulators keep both FMA units busy. */
+static inline __attribute__((always_inline)) void score_block(int D, const float *restrict qs,
+                                                              const float *restrict kt, int lp, int jb,
+                                                              float *restrict s) {
+    vf16 a0[QB], a1[QB];
+    for (int r = 0; r < QB; r++) a0[r] = a1[r] = vsplat(0.f);
+    for (int d = 0; d < D; d++) {
+        const vf16 k0 = vload(kt + (int64_t)d * lp + jb), k1 = vload(kt + (int64_t)d * lp + jb + KB);
+        for (int r = 0; r < QB; r++) {
+            const vf16 a = vsplat(qs[r * D + d]);
+            a0[r] += a * k0;
+            a1[r] += a * k1;
+        }
+    }
+    for (int r = 0; r < QB; r++) {
+        vstore(s + (int64_t)r * lp + jb, a0[r]);
+        vstore(s + (int64_t)r * lp + jb + KB, a1[r]);
+    }
+}
+
+/* o[r][c..c+16) = sum_j p[r][j] * vf[j][c..c+16) over j in [j0, j1), for QB queries. */
+static inline __attribute__((always_inline)) void weigh_values(int D, const float *restrict p, int lp,
+                                                               const float *restrict vf, int j0, int j1,
+                                                               float *restrict o) {
+    for (int c = 0; c < D; c += 2 * KB) {
+        const int two = c + KB < D; /* a second column block of 16 */
+        vf16 a0[QB], a1[QB];
+        for (int r = 0; r < QB; r++) a0[r] = a1[r] = vsplat(0.f);
+        for (int j = j0; j < j1; j++) {
+            const float *restrict vrow = vf + (int64_t)j * D + c;
+            const vf16 v0 = vload(vrow), v1 = two ? vload(vrow + KB) : vsplat(0.f);
+            for (int r = 0; r < QB; r++) {
+                const vf16 w = vsplat(p[(int64_t)r * lp + j]);
+                a0[r] += w * v0;
+                a1[r] += w * v1;
+            }
+        }
+        for (int r = 0; r < QB; r++) {
+            vstore(o + r * D + c, a0[r]);
+            if (two) vstore(o + r * D + c + KB, a1[r]);
+        }
+    }
+}
+
+/* One (sequence, head). D values per row are read and written; the arithmetic runs on Dp, D rounded up
+ * to 16, with zeros in between. Scratch: kt (Dp x lp), vf (lp x Dp), s (QB x lp), qs and o (QB x Dp),
+ * row (Dp). */
+static inline __attribute__((always_inline)) void attend_one(int D, int Dp, int bf16, int L, const char *q, int64_t qt,
+                                                             const char *k, int64_t kt_stride, const char *v,
+                                                             int64_t vt, char *out, int64_t ot, float scale,
+                                                             int causal, int window, float *kt, float *vf,
+                                                             float *s, float *qs, float *o, float *row) {
+    const int lp = (L + 2 * KB - 1) / (2 * KB) * (2 * KB);
+    const size_t esz = bf16 ? 2 : 4;
+    for (int d = D; d < Dp; d++) row[d] = 0.f;
+    for (int j = 0; j < L; j++) { /* keys, transposed: kt[d][j] */
+        load_row(row, k + (int64_t)j * kt_stride * esz, D, bf16);
+        for (int d = 0; d < Dp; d++) kt[(int64_t)d * lp + j] = row[d];
+    }
+    for (int d = 0; d < Dp; d++)
+        for (int j = L; j < lp; j++) kt[(int64_t)d * lp + j] = 0.f;
+    for (int j = 0; j < L; j++) {
+        load_row(vf + (int64_t)j * Dp, v + (int64_t)j * vt * esz, D, bf16);
+        for (int d = D; d < Dp; d++) vf[(int64_t)j * Dp + d] = 0.f;
+    }
+
+    for (int i0 = 0; i0 < L; i0 += QB) {
+        const int nq = L - i0 < QB ? L - i0 : QB;
+        int lo[QB], hi[QB];
+        int glo = L, ghi = 0;
+        for (int r = 0; r < QB; r++) {
+            const int i = i0 + (r < nq ? r : nq - 1);
+            int a = 0, b = L;
+            if (causal) b = i + 1;
+            if (window >= 0) {
+                a = i - window > 0 ? i - window : 0;
+                if (!causal) b = i + window + 1 < L ? i + window + 1 : L;
+            }
+            lo[r] = a;
+            hi[r] = b;
+            glo = a < glo ? a : glo;
+            ghi = b > ghi ? b : ghi;
+            load_row(qs + r * Dp, q + (int64_t)i * qt * esz, D, bf16);
+            for (int d = D; d < Dp; d++) qs[r * Dp + d] = 0.f;
+            for (int d = 0; d < Dp; d++) qs[r * Dp + d] *= scale;
+        }
+        for (int jb = glo / (2 * KB) * (2 * KB); jb < ghi; jb += 2 * KB) score_block(Dp, qs, kt, lp, jb, s);
+        float inv[QB];
+        for (int r = 0; r < QB; r++) {
+            float *sr = s + (int64_t)r * lp;
+            float m = sr[lo[r]];
+            for (int j = lo[r] + 1; j < hi[r]; j++) m = sr[j] > m ? sr[j] : m;
+            for (int j = lo[r]; j < hi[r]; j++) sr[j] = expf(sr[j] - m);
+            float sum = 0.f;
+            for (int j = lo[r]; j < hi[r]; j++) sum += sr[j];
+            for (int j = glo; j < lo[r]; j++) sr[j] = 0.f;
+            for (int j = hi[r]; j < ghi; j++) sr[j] = 0.f;
+            inv[r] = 1.f / sum;
+        }
+        weigh_values(Dp, s, lp, vf, glo, ghi, o);
+        for (int r = 0; r < nq; r++) store_row(out + (int64_t)(i0 + r) * ot * esz, o + r * Dp, inv[r], D, bf16);
+    }
+}
+
+/* Returns 0, or -1 when scratch memory could not be had. */
+int varlen_attention(const void *q, const void *k, const void *v, void *out, int bf16, const int32_t *cu_seqlens,
+                     int num_seqs, int max_len, int hq, int hkv, int D, int64_t q_t, int64_t q_h, int64_t k_t,
+                     int64_t k_h, int64_t v_t, int64_t v_h, int64_t o_t, int64_t o_h, float scale, int causal,
+                     int window, int num_threads) {
+    const int group = hq / hkv;
+    const int64_t items = (int64_t)num_seqs * hq;
+    const int lp = (max_len + 2 * KB - 1) / (2 * KB) * (2 * KB);
+    const size_t esz = bf16 ? 2 : 4;
+    const int dp = (D + KB - 1) / KB * KB;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *scratch = malloc(sizeof(float) * ((size_t)dp * lp + (size_t)lp * dp + (size_t)QB * lp + 2 * QB * dp + dp));
+        if (!scratch) {
+            failed = 1;
+        } else {
+            float *kt = scratch, *vf = kt + (size_t)dp * lp, *s = vf + (size_t)lp * dp, *qs = s + (size_t)QB * lp;
+            float *o = qs + QB * dp, *row = o + QB * dp;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t it = 0; it < items; it++) {
+                const int b = (int)(it / hq), h = (int)(it % hq), hk = h / group;
+                const int64_t t0 = cu_seqlens[b];
+                const int L = cu_seqlens[b + 1] - cu_seqlens[b];
+                if (L <= 0) continue;
+                const char *qb = (const char *)q + (t0 * q_t + h * q_h) * esz;
+                const char *kb = (const char *)k + (t0 * k_t + hk * k_h) * esz;
+                const char *vb = (const char *)v + (t0 * v_t + hk * v_h) * esz;
+                char *ob = (char *)out + (t0 * o_t + h * o_h) * esz;
+                /* The common head sizes and dtypes as constants, so the compiler unrolls and keeps rows in
+                 * registers; anything else through the general path. */
+#define ATTEND(DD, BF) attend_one(DD, DD, BF, L, qb, q_t, kb, k_t, vb, v_t, ob, o_t, scale, causal, window, kt, vf, s, qs, o, row)
+                if (D == 32 && bf16) ATTEND(32, 1);
+                else if (D == 32) ATTEND(32, 0);
+                else if (D == 64 && bf16) ATTEND(64, 1);
+                else if (D == 64) ATTEND(64, 0);
+                else if (D == 128 && bf16) ATTEND(128, 1);
+                else if (D == 128) ATTEND(128, 0);
+                else attend_one(D, dp, bf16, L, qb, q_t, kb, k_t, vb, v_t, ob, o_t, scale, causal, window, kt, vf, s, qs, o, row);
+#undef ATTEND
+            }
+            free(scratch);
+        }
+    }
+    return failed ? -1 : 0;
+}
