@@ -67,8 +67,10 @@ class Settings(BaseSettings):
     them first, ahead of bulk work. 0: one lane, first come first served."""
 
     priority_batch_tokens: int = 256
-    """With two or more replicas, the last one takes bulk work only in batches of at most this many tokens,
-    so a short request never waits behind more than that much work."""
+    """A batch carrying priority sequences takes at most this many tokens of bulk work; with two or more
+    replicas, while interactive traffic is about (a priority request within the last 2 s), the last
+    replica takes bulk work only in batches of at most this many tokens, so a short request never waits
+    behind more than that much work. Without interactive traffic every replica takes full batches."""
 
     data_parallel_size: int | None = None
     """Model replicas, each its own worker process(es) forming its own batches. Default: 2 on a CPU with two

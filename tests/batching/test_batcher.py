@@ -51,8 +51,28 @@ def test_idle_replicas_share_the_waiting_work():
     assert a.batches and b.batches  # both replicas computed part of it
 
 
-def test_the_priority_replica_takes_small_batches_only():
+def test_the_priority_replica_takes_small_batches_while_interactive_traffic_is_about():
     a, b = Backend(0.01), Backend(0.01)
+
+    async def main():
+        batcher = Batcher([a, b], 16384, 256, "m", priority_batch_tokens=256)
+        batcher.start()
+        loop = asyncio.get_running_loop()
+        short = make(loop, [5])
+        batcher.submit(short, priority=True)
+        await short[0].future
+        seqs = make(loop, [200] * 40)
+        batcher.submit(seqs)
+        await asyncio.gather(*(s.future for s in seqs))
+        await batcher.stop()
+
+    run(main())
+    assert all(sum(batch) <= 256 or len(batch) == 1 for batch in b.batches)
+    assert max(sum(batch) for batch in a.batches) > 256
+
+
+def test_without_interactive_traffic_every_replica_takes_full_batches():
+    a, b = Backend(0.05), Backend(0.05)
 
     async def main():
         batcher = Batcher([a, b], 16384, 256, "m", priority_batch_tokens=256)
@@ -63,8 +83,7 @@ def test_the_priority_replica_takes_small_batches_only():
         await batcher.stop()
 
     run(main())
-    assert all(sum(batch) <= 256 or len(batch) == 1 for batch in b.batches)
-    assert max(sum(batch) for batch in a.batches) > 256
+    assert b.batches and max(sum(batch) for batch in b.batches) > 256
 
 
 def test_a_short_request_goes_ahead_of_queued_bulk_work():

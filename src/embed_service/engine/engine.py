@@ -87,6 +87,16 @@ def small_enough_to_copy(spec: ModelSpec) -> bool:
     return 2 * weights <= memory // 8
 
 
+INLINE_TOKENIZE_CHARS = 1024
+
+
+def _small(inputs: Inputs) -> bool:
+    """At most 4 texts of INLINE_TOKENIZE_CHARS characters in all (token-id input: tokenized already)."""
+    if len(inputs) > 4 or not inputs or not isinstance(inputs[0], str):
+        return False
+    return sum(len(text) for text in inputs) <= INLINE_TOKENIZE_CHARS
+
+
 class Engine:
     def __init__(self, settings: Settings, spec: ModelSpec, served_names: list[str]):
         self.settings = settings
@@ -266,7 +276,12 @@ class Engine:
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
         try:
-            ids = await loop.run_in_executor(self._tokenize_pool, self._token_ids, inputs, rule, prompt)
+            if _small(inputs):
+                # A few short texts tokenize in tens of microseconds: less than the hop to a thread and
+                # back, which online traffic (one query per request) would pay on every request.
+                ids = self._token_ids(inputs, rule, prompt)
+            else:
+                ids = await loop.run_in_executor(self._tokenize_pool, self._token_ids, inputs, rule, prompt)
         except InputTooLongError as exc:
             raise InvalidInputError(str(exc)) from None
         except InvalidTokenError as exc:
