@@ -80,20 +80,25 @@ def test_matches_reference_fp32(varlen_attention, lengths, causal, heads):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("amx", ["1", "0"], ids=["amx-if-present", "no-amx"])
 @pytest.mark.parametrize("d", [32, 64, 128, 80])
 @PATHS
-def test_matches_reference_bf16(varlen_attention, d):
+def test_matches_reference_bf16(varlen_attention, d, amx, monkeypatch):
+    """Head sizes 32 and 64 run on AMX tiles where the CPU has them; EMBED_CPU_AMX=0 forces the float32 path."""
+    monkeypatch.setenv("EMBED_CPU_AMX", amx)
     q, k, v, batch = make([9, 40, 2, 300], 8, 2, d, torch.bfloat16)
     got = varlen_attention(q, k, v, batch, causal=False).float()
     want = varlen_attention_reference(q, k, v, batch.cu_seqlens, causal=False).float()
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("amx", ["1", "0"], ids=["amx-if-present", "no-amx"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
 @PATHS
-def test_strided_views_of_a_packed_projection(varlen_attention, dtype, causal):
+def test_strided_views_of_a_packed_projection(varlen_attention, dtype, causal, amx, monkeypatch):
     """What the models pass: q, k, v as views into one (T, (Hq + 2 Hkv) * D) projection."""
+    monkeypatch.setenv("EMBED_CPU_AMX", amx)
     lengths = [17, 1, 64, 33]
     t, hq, hkv, d = sum(lengths), 6, 2, 32
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=torch.Generator().manual_seed(1)).to(dtype)

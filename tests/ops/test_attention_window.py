@@ -46,3 +46,19 @@ def test_window_matches_dense(varlen_attention, causal, window, lengths):
     )
     reference = varlen_attention_reference(q, k, v, batch.cu_seqlens, causal, window=window)
     torch.testing.assert_close(reference, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [None, 0, 5, 20])
+@pytest.mark.parametrize("d", [32, 64])
+@PATHS
+def test_window_bf16_head_sizes_of_the_tile_path(varlen_attention, causal, window, d):
+    """bf16 at head sizes 32/64 (AMX tiles where present): windows cut inside 16-query and 32-key blocks."""
+    torch.manual_seed(d)
+    lengths = [1, 40, 17, 33]
+    t = sum(lengths)
+    q, k, v = (torch.randn(t, h, d).to(torch.bfloat16) for h in (4, 2, 2))
+    batch = FlatBatch.from_lengths(torch.zeros(t, dtype=torch.long), lengths)
+    expected = dense(q.float(), k.float(), v.float(), lengths, causal, window)
+    got = varlen_attention(q, k, v, batch, causal, window=window).float()
+    torch.testing.assert_close(got, expected, atol=3e-2, rtol=3e-2)

@@ -13,11 +13,20 @@
  * the way out). Softmax in float32. causal: a query sees keys at or before it. window >= 0: keys at most
  * `window` positions away (before it only, when causal).
  *
+ * On CPUs with AMX (bfloat16, head sizes 32 and 64) both products run on the tile unit instead; see
+ * attend_one_amx.
+ *
  * Built by embed_service.ops.cpu_kernels with the system C compiler; nothing here is required: without a
  * compiler the server falls back to torch.
  */
 #include <math.h>
 #include <stdint.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#endif
 #include <stdlib.h>
 #include <string.h>
 
@@ -66,6 +75,20 @@ static inline __attribute__((always_inline)) void store_row(void *dst, const flo
         float *d = (float *)dst;
         for (int i = 0; i < n; i++) d[i] = src[i] * mul;
     }
+}
+
+/* The keys query i may see, [*lo, *hi), and the union over a block of queries, [*glo, *ghi). */
+static inline void key_range(int i, int L, int causal, int window, int *lo, int *hi, int *glo, int *ghi) {
+    int a = 0, b = L;
+    if (causal) b = i + 1;
+    if (window >= 0) {
+        a = i - window > 0 ? i - window : 0;
+        if (!causal) b = i + window + 1 < L ? i + window + 1 : L;
+    }
+    *lo = a;
+    *hi = b;
+    *glo = a < *glo ? a : *glo;
+    *ghi = b > *ghi ? b : *ghi;
 }
 
 /* Scores of QB queries against keys [jb, jb + 2 KB): s[r][jb + u] = sum_d qs[r][d] * kt[d][jb + u].
@@ -141,16 +164,7 @@ static inline __attribute__((always_inline)) void attend_one(int D, int Dp, int 
         int glo = L, ghi = 0;
         for (int r = 0; r < QB; r++) {
             const int i = i0 + (r < nq ? r : nq - 1);
-            int a = 0, b = L;
-            if (causal) b = i + 1;
-            if (window >= 0) {
-                a = i - window > 0 ? i - window : 0;
-                if (!causal) b = i + window + 1 < L ? i + window + 1 : L;
-            }
-            lo[r] = a;
-            hi[r] = b;
-            glo = a < glo ? a : glo;
-            ghi = b > ghi ? b : ghi;
+            key_range(i, L, causal, window, &lo[r], &hi[r], &glo, &ghi);
             load_row(qs + r * Dp, q + (int64_t)i * qt * esz, D, bf16);
             for (int d = D; d < Dp; d++) qs[r * Dp + d] = 0.f;
             for (int d = 0; d < Dp; d++) qs[r * Dp + d] *= scale;
@@ -173,6 +187,143 @@ static inline __attribute__((always_inline)) void attend_one(int D, int Dp, int 
     }
 }
 
+#ifdef HAVE_AMX
+/* bfloat16 at head sizes 32 and 64 on CPUs with AMX: both products run on the tile unit, 16 queries at a
+ * time. Scores: Q (16 x 32 bf16) x K^T (keys staged as pairs over the head dimension, kp[d/2][j]) into a
+ * 16 x 16 float32 tile per 16 keys. Softmax in float32 with AVX-512 (written by the compiler), weights
+ * rounded to bf16 as torch's own bf16 attention does (their sum, the normalizer, stays float32). Values:
+ * P (16 x 32 keys bf16) x V (staged as pairs over keys, vp[j/2][d]) into 16 x 16 float32 tiles. */
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static int amx_permitted(void) {
+    static int state = 0; /* 0 unknown, 1 yes, -1 no; a race only repeats the same request */
+    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+/* EMBED_CPU_AMX=0 keeps the float32 path (tests compare both; read per call, it is one getenv). */
+static int amx_disabled(void) {
+    const char *flag = getenv("EMBED_CPU_AMX");
+    return flag != NULL && flag[0] == '0';
+}
+
+static void amx_configure(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+static inline __attribute__((always_inline)) void attend_one_amx(int D, int L, const char *q, int64_t qt,
+                                                                 const char *k, int64_t kts, const char *v,
+                                                                 int64_t vt, char *out, int64_t ot, float scale,
+                                                                 int causal, int window, uint32_t *kp,
+                                                                 uint32_t *vp, float *s, uint16_t *pp,
+                                                                 uint16_t *qbuf, float *o) {
+    const int lp = (L + 2 * KB - 1) / (2 * KB) * (2 * KB);
+    const int dh = D / 2;
+    for (int j = 0; j < L; j++) {
+        const uint32_t *row = (const uint32_t *)(k + (int64_t)j * kts * 2);
+        for (int d = 0; d < dh; d++) kp[(int64_t)d * lp + j] = row[d];
+    }
+    for (int d = 0; d < dh; d++)
+        for (int j = L; j < lp; j++) kp[(int64_t)d * lp + j] = 0;
+    for (int j = 0; j < lp; j += 2) {
+        uint32_t *dst = vp + (int64_t)(j / 2) * D;
+        if (j + 1 < L) {
+            const uint16_t *r0 = (const uint16_t *)(v + (int64_t)j * vt * 2);
+            const uint16_t *r1 = (const uint16_t *)(v + (int64_t)(j + 1) * vt * 2);
+            for (int d = 0; d < D; d++) dst[d] = r0[d] | ((uint32_t)r1[d] << 16);
+        } else if (j < L) {
+            const uint16_t *r0 = (const uint16_t *)(v + (int64_t)j * vt * 2);
+            for (int d = 0; d < D; d++) dst[d] = r0[d];
+        } else {
+            for (int d = 0; d < D; d++) dst[d] = 0;
+        }
+    }
+    for (int i0 = 0; i0 < L; i0 += 16) {
+        const int nq = L - i0 < 16 ? L - i0 : 16;
+        int lo[16], hi[16];
+        int glo = L, ghi = 0;
+        for (int r = 0; r < 16; r++) {
+            if (r < nq) {
+                const int i = i0 + r;
+                key_range(i, L, causal, window, &lo[r], &hi[r], &glo, &ghi);
+                memcpy(qbuf + r * D, q + (int64_t)i * qt * 2, (size_t)D * 2);
+            } else {
+                memset(qbuf + r * D, 0, (size_t)D * 2);
+            }
+        }
+        const int jlo = glo / (2 * KB) * (2 * KB), jhi = (ghi + 2 * KB - 1) / (2 * KB) * (2 * KB);
+        for (int jb = jlo; jb < jhi; jb += KB) {
+            _tile_zero(0);
+            _tile_loadd(1, qbuf, D * 2);
+            _tile_loadd(2, kp + jb, lp * 4);
+            _tile_dpbf16ps(0, 1, 2);
+            if (D == 64) {
+                _tile_loadd(1, qbuf + 32, D * 2);
+                _tile_loadd(2, kp + (int64_t)16 * lp + jb, lp * 4);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, s + jb, lp * 4);
+        }
+        float inv[16];
+        for (int r = 0; r < 16; r++) {
+            uint16_t *pr = pp + (int64_t)r * lp;
+            if (r >= nq) {
+                memset(pr + jlo, 0, (size_t)(jhi - jlo) * 2);
+                continue;
+            }
+            float *sr = s + (int64_t)r * lp;
+            float m = sr[lo[r]];
+            for (int j = lo[r] + 1; j < hi[r]; j++) m = sr[j] > m ? sr[j] : m;
+            for (int j = lo[r]; j < hi[r]; j++) sr[j] = expf((sr[j] - m) * scale);
+            float sum = 0.f;
+            for (int j = lo[r]; j < hi[r]; j++) sum += sr[j];
+            inv[r] = 1.f / sum;
+            for (int j = jlo; j < lo[r]; j++) pr[j] = 0;
+            for (int j = lo[r]; j < hi[r]; j++) pr[j] = float_to_bf16(sr[j]);
+            for (int j = hi[r]; j < jhi; j++) pr[j] = 0;
+        }
+        _tile_zero(4);
+        _tile_zero(5);
+        if (D == 64) {
+            _tile_zero(6);
+            _tile_zero(7);
+        }
+        for (int jb = jlo; jb < jhi; jb += 2 * KB) {
+            _tile_loadd(0, pp + jb, lp * 2);
+            const uint32_t *vb = vp + (int64_t)(jb / 2) * D;
+            _tile_loadd(1, vb, D * 4);
+            _tile_dpbf16ps(4, 0, 1);
+            _tile_loadd(2, vb + 16, D * 4);
+            _tile_dpbf16ps(5, 0, 2);
+            if (D == 64) {
+                _tile_loadd(1, vb + 32, D * 4);
+                _tile_dpbf16ps(6, 0, 1);
+                _tile_loadd(2, vb + 48, D * 4);
+                _tile_dpbf16ps(7, 0, 2);
+            }
+        }
+        _tile_stored(4, o, D * 4);
+        _tile_stored(5, o + 16, D * 4);
+        if (D == 64) {
+            _tile_stored(6, o + 32, D * 4);
+            _tile_stored(7, o + 48, D * 4);
+        }
+        for (int r = 0; r < nq; r++) store_row(out + (int64_t)(i0 + r) * ot * 2, o + r * D, inv[r], D, 1);
+    }
+}
+#endif
+
 /* Returns 0, or -1 when scratch memory could not be had. */
 int varlen_attention(const void *q, const void *k, const void *v, void *out, int bf16, const int32_t *cu_seqlens,
                      int num_seqs, int max_len, int hq, int hkv, int D, int64_t q_t, int64_t q_h, int64_t k_t,
@@ -183,15 +334,24 @@ int varlen_attention(const void *q, const void *k, const void *v, void *out, int
     const int lp = (max_len + 2 * KB - 1) / (2 * KB) * (2 * KB);
     const size_t esz = bf16 ? 2 : 4;
     const int dp = (D + KB - 1) / KB * KB;
+    int use_amx = 0;
+#ifdef HAVE_AMX
+    use_amx = bf16 && (D == 32 || D == 64) && amx_permitted() && !amx_disabled();
+#endif
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *scratch = malloc(sizeof(float) * ((size_t)dp * lp + (size_t)lp * dp + (size_t)QB * lp + 2 * QB * dp + dp));
+        /* Room for either path: kt/kp (dp x lp), vf/vp (lp x dp), s (16 x lp), pp (16 x lp bf16), qs/o/qbuf/row. */
+        float *scratch = malloc(sizeof(float) * (2 * (size_t)dp * lp + 24 * (size_t)lp + 48 * (size_t)dp));
         if (!scratch) {
             failed = 1;
         } else {
-            float *kt = scratch, *vf = kt + (size_t)dp * lp, *s = vf + (size_t)lp * dp, *qs = s + (size_t)QB * lp;
-            float *o = qs + QB * dp, *row = o + QB * dp;
+            float *kt = scratch, *vf = kt + (size_t)dp * lp, *s = vf + (size_t)lp * dp, *qs = s + 16 * (size_t)lp;
+            float *o = qs + 16 * (size_t)dp, *row = o + 16 * (size_t)dp;
+            float *pp = row + dp, *qbuf = pp + 8 * (size_t)lp;
+#ifdef HAVE_AMX
+            if (use_amx) amx_configure();
+#endif
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < items; it++) {
                 const int b = (int)(it / hq), h = (int)(it % hq), hk = h / group;
@@ -205,6 +365,13 @@ int varlen_attention(const void *q, const void *k, const void *v, void *out, int
                 /* The common head sizes and dtypes as constants, so the compiler unrolls and keeps rows in
                  * registers; anything else through the general path. */
 #define ATTEND(DD, BF) attend_one(DD, DD, BF, L, qb, q_t, kb, k_t, vb, v_t, ob, o_t, scale, causal, window, kt, vf, s, qs, o, row)
+#ifdef HAVE_AMX
+#define ATTEND_AMX(DD) attend_one_amx(DD, L, qb, q_t, kb, k_t, vb, v_t, ob, o_t, scale, causal, window, (uint32_t *)kt, (uint32_t *)vf, s, (uint16_t *)pp, (uint16_t *)qbuf, o)
+                if (use_amx && D == 32) ATTEND_AMX(32);
+                else if (use_amx && D == 64) ATTEND_AMX(64);
+                else
+#undef ATTEND_AMX
+#endif
                 if (D == 32 && bf16) ATTEND(32, 1);
                 else if (D == 32) ATTEND(32, 0);
                 else if (D == 64 && bf16) ATTEND(64, 1);
@@ -214,6 +381,9 @@ int varlen_attention(const void *q, const void *k, const void *v, void *out, int
                 else attend_one(D, dp, bf16, L, qb, q_t, kb, k_t, vb, v_t, ob, o_t, scale, causal, window, kt, vf, s, qs, o, row);
 #undef ATTEND
             }
+#ifdef HAVE_AMX
+            if (use_amx) _tile_release();
+#endif
             free(scratch);
         }
     }
