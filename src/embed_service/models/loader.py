@@ -15,7 +15,7 @@ from torch import nn
 
 from embed_service.layers.linear import ReplicatedLinear, default_weight_loader
 from embed_service.models.spec import DenseSpec, ModelSpec
-from embed_service.ops.batch import FlatBatch
+from embed_service.ops.batch import FlatBatch, padded_tokens
 from embed_service.ops.pooling import POOLERS
 
 
@@ -114,7 +114,9 @@ class Embedder(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: FlatBatch) -> torch.Tensor:
-        hidden = self.model(batch)  # (T, H)
+        tokens = int(batch.cu_seqlens[-1])
+        run = batch.padded(padded_tokens(tokens)) if batch.input_ids.device.type == "cpu" else batch
+        hidden = self.model(run)[:tokens]  # (T, H): the real rows
         pooled = self.pool(hidden, batch.cu_seqlens)  # (B, H) float32
         for d in self.dense:
             pooled = d(pooled)
