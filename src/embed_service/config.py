@@ -47,8 +47,9 @@ class Settings(BaseSettings):
     auto_truncate: bool = True
     """Cut inputs longer than the max input length (keeping special tokens); when off they get a 400."""
 
-    max_batch_tokens: int = 16384
-    """Real tokens per forward pass (a batch always takes at least one sequence). Must be >= the max input length."""
+    max_batch_tokens: int | None = None
+    """Real tokens per forward pass (a batch always takes at least one sequence). Must be >= the max input
+    length. Default: 4096, or the max input length when that is longer."""
 
     max_batch_requests: int = 256
     """Sequences per forward pass."""
@@ -70,7 +71,7 @@ class Settings(BaseSettings):
     """A batch carrying priority sequences takes at most this many tokens of bulk work; with two or more
     replicas, while interactive traffic is about (a priority request within the last 2 s), the last
     replica takes bulk work only in batches of at most this many tokens, so a short request never waits
-    behind more than that much work. Without interactive traffic every replica takes full batches."""
+    behind more than that much work; without interactive traffic, batches of up to 8 times this many."""
 
     data_parallel_size: int | None = None
     """Model replicas, each its own worker process(es) forming its own batches. Default: 2 on a CPU with two
@@ -111,7 +112,7 @@ class Settings(BaseSettings):
         "priority_batch_tokens",
     )
     @classmethod
-    def _positive(cls, v: int) -> int:
-        if v < 1:
+    def _positive(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
             raise ValueError("must be at least 1")
         return v

@@ -71,7 +71,7 @@ def test_the_priority_replica_takes_small_batches_while_interactive_traffic_is_a
     assert max(sum(batch) for batch in a.batches) > 256
 
 
-def test_without_interactive_traffic_every_replica_takes_full_batches():
+def test_without_interactive_traffic_the_reserved_replica_takes_larger_batches():
     a, b = Backend(0.05), Backend(0.05)
 
     async def main():

@@ -88,6 +88,7 @@ def small_enough_to_copy(spec: ModelSpec) -> bool:
 
 
 INLINE_TOKENIZE_CHARS = 1024
+DEFAULT_BATCH_TOKENS = 4096
 
 
 def _small(inputs: Inputs) -> bool:
@@ -103,9 +104,12 @@ class Engine:
         self.spec = spec
         self.served_names = served_names
         self.name = served_names[0]
-        if settings.max_batch_tokens < spec.max_input_length:
+        # Batches of a few thousand tokens run as fast per token as larger ones on a CPU, and they leave work
+        # queued for whichever replica frees first instead of one replica holding most of it.
+        self.max_batch_tokens = settings.max_batch_tokens or max(DEFAULT_BATCH_TOKENS, spec.max_input_length)
+        if self.max_batch_tokens < spec.max_input_length:
             raise ValueError(
-                f"--max-batch-tokens ({settings.max_batch_tokens}) is below the max input length "
+                f"--max-batch-tokens ({self.max_batch_tokens}) is below the max input length "
                 f"({spec.max_input_length}): the longest input could never be batched"
             )
         self.tokenizer = Tokenizer(spec)
@@ -187,7 +191,7 @@ class Engine:
             raise
         self.batcher = Batcher(
             [functools.partial(self._compute, group=g) for g in self.groups],
-            self.settings.max_batch_tokens,
+            self.max_batch_tokens,
             self.settings.max_batch_requests,
             self.name,
             priority_batch_tokens=self.settings.priority_batch_tokens
@@ -352,7 +356,7 @@ class Engine:
             "device": self.device,
             "tensor_parallel_size": s.tensor_parallel_size,
             "num_threads": self.num_threads,
-            "max_batch_tokens": s.max_batch_tokens,
+            "max_batch_tokens": self.max_batch_tokens,
             "max_batch_requests": s.max_batch_requests,
             "max_concurrent_requests": s.max_concurrent_requests,
             "priority_max_tokens": s.priority_max_tokens,
