@@ -3,7 +3,7 @@
 flash-attn's varlen kernel on CUDA when it is installed; on a CPU the project's own compiled kernel
 (ops/csrc/varlen_attention.c: no padding, reads q/k/v through their strides) when it could be built; elsewhere
 the sequences are sorted into groups of similar length, and each group is copied into a padded (B, H, L, D)
-grid for torch's scaled_dot_product_attention and copied back. Padding exists only inside this function. ``varlen_attention_reference`` is the plain per-sequence twin the tests compare against.
+grid for torch's scaled_dot_product_attention and copied back (the only padding this module makes). ``varlen_attention_reference`` is the plain per-sequence twin the tests compare against.
 
 ``window`` restricts each query to keys at most that many positions away (sliding-window attention, as in
 ModernBERT's local layers and Mistral); with ``causal`` only the keys behind the query count.

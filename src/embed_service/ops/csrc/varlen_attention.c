@@ -4,7 +4,7 @@
  * microseconds per (sequence, head) whatever the size, and at head sizes of 32-64 with short sequences
  * that fixed cost is most of an encoder's forward. Here one work item is one (sequence, head): its keys
  * and values are converted once to float32 in a scratch area (keys transposed), then queries go four at a
- * time against blocks of 16 keys with every accumulator in registers. No padding, no masks, no copies of
+ * time against 32 keys (two blocks of 16) with every accumulator in registers. No padding, no masks, no copies of
  * the stream: q, k, v are read through their strides (views of the packed qkv projection) and the output
  * is written in place.
  *
