@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 FD_RESERVE = 128  # descriptors the process keeps for itself: listener, worker pipes, model files, the loop
 BODY_GRACE_S = 1.0  # the app answers 408 at body_timeout; the connection is closed this much later
+# A connection past the limit holds a file descriptor only this long for its head (then gets its 503), so a
+# flood of connections cannot pile up past the limit for the whole header timeout.
+OVER_LIMIT_HEAD_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -66,8 +69,13 @@ class Throttled:
         self.next_at, self.skipped = now + self.every, 0
 
 
-_log_refused = Throttled(logging.WARNING)
-_log_closed = Throttled(logging.INFO)
+# One per kind, so that each line's count is of its own kind.
+_log_invalid = Throttled(logging.WARNING)
+_log_large_head = Throttled(logging.WARNING)
+_log_too_many = Throttled(logging.WARNING)
+_log_slow_head = Throttled(logging.INFO)
+_log_silent = Throttled(logging.INFO)
+_log_slow_body = Throttled(logging.INFO)
 
 
 def _json_headers(body: bytes, extra: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
@@ -124,7 +132,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._over_limit = len(self.connections) > self.limits.max_connections
-        self._arm(self.limits.header_timeout, self._head_timed_out)  # a connection that says nothing
+        timeout = self.limits.header_timeout
+        if self._over_limit:
+            timeout = min(timeout, OVER_LIMIT_HEAD_S)
+        self._arm(timeout, self._head_timed_out)  # a connection that says nothing
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -142,7 +153,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.parser.feed_data(data)
         except httptools.HttpParserError:
             if not self._refused:
-                _log_refused("invalid HTTP request from %s", self._peer())
+                _log_invalid("invalid HTTP request from %s", self._peer())
                 self._refuse(400, "invalid HTTP request", "invalid_http_request")
             return
         except httptools.HttpParserUpgrade:
@@ -163,7 +174,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if not self._over_limit:
             super().on_headers_complete()
             return
-        _log_refused("more than %d open connections: answering 503", self.limits.max_connections)
+        _log_too_many("more than %d open connections: answering 503", self.limits.max_connections)
         real, self.app = self.app, self.too_many
         try:
             super().on_headers_complete()
@@ -193,7 +204,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         if self._head_bytes:
-            _log_closed(
+            _log_slow_head(
                 "%s sent no complete request head within %g s: 408", self._peer(), self.limits.header_timeout
             )
             self._refuse(
@@ -202,19 +213,19 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 "request_timeout",
             )
         else:
-            _log_closed("closing connections that sent nothing within %g s", self.limits.header_timeout)
+            _log_silent("closed a connection that sent nothing within %g s", self.limits.header_timeout)
             self.transport.close()
 
     def _body_timed_out(self) -> None:
         self._timer = None
         if not self.transport.is_closing():
-            _log_closed(
+            _log_slow_body(
                 "%s sent no complete body within %g s: closed", self._peer(), self.limits.body_timeout
             )
             self.transport.close()
 
     def _refuse_large_head(self) -> None:
-        _log_refused("request head from %s over %d bytes: 431", self._peer(), self.limits.max_header_bytes)
+        _log_large_head("request head from %s over %d bytes: 431", self._peer(), self.limits.max_header_bytes)
         self._refuse(
             431,
             f"the request head is larger than the limit of {self.limits.max_header_bytes} bytes",
@@ -255,8 +266,8 @@ def fit_connections(max_connections: int) -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     need = max_connections + FD_RESERVE
     infinite = resource.RLIM_INFINITY
-    if soft != infinite and soft < need:
-        target = need if hard == infinite else min(need, hard)
+    target = need if hard == infinite else min(need, hard)
+    if soft != infinite and soft < target:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
             log.info(
