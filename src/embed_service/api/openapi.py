@@ -42,10 +42,11 @@ _HEADERS: dict[int, dict[str, Any]] = {
 }
 
 
-def json_body(model: type[BaseModel]) -> dict[str, Any]:
-    """`openapi_extra` for a route that reads `model` from its JSON body."""
+def json_body(model: type[BaseModel], example: dict[str, Any]) -> dict[str, Any]:
+    """`openapi_extra` for a route that reads `model` from its JSON body (`example`: what /docs fills in)."""
     ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+    media = {"schema": ref, "example": example}
+    return {"requestBody": {"required": True, "content": {"application/json": media}}}
 
 
 def ok(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:

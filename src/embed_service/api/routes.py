@@ -169,7 +169,7 @@ def serving(request: Request, name: str | None) -> Engine:
 @router.post(
     "/v1/embeddings",
     summary="Embed texts or token ids (OpenAI embeddings API)",
-    openapi_extra=json_body(EmbeddingRequest),
+    openapi_extra=json_body(EmbeddingRequest, {"input": ["hello world", "a second text"]}),
     responses={**ok(EmbeddingResponse), **errors(400, 404, 408, 413, 415, 429, 500, 503)},
 )
 @router.post("/embeddings", include_in_schema=False)
@@ -210,7 +210,7 @@ async def embeddings(request: Request, _: Authorized) -> Response:
 @router.post(
     "/tokenize",
     summary="The token ids /v1/embeddings would embed",
-    openapi_extra=json_body(TokenizeRequest),
+    openapi_extra=json_body(TokenizeRequest, {"input": "hello world"}),
     responses={**ok(TokenizeResponse), **errors(400, 404, 408, 413, 415, 429, 500, 503)},
 )
 async def tokenize(request: Request, _: Authorized) -> Response:
