@@ -221,6 +221,16 @@ def test_otlp_endpoint_must_be_a_url():
     assert "--otlp-endpoint" in out.stderr and "http://" in out.stderr
 
 
+def test_otlp_endpoint_without_the_extra_says_what_to_install():
+    code = (
+        "import sys; sys.modules['opentelemetry.exporter.otlp.proto.http.trace_exporter'] = None; "
+        "from embed_service.observability import setup_tracing; setup_tracing('http://127.0.0.1:4318')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert "pip install 'embed-service[otel]'" in out.stderr
+
+
 class Collector(http.server.ThreadingHTTPServer):
     """Stands in for an OpenTelemetry collector: keeps what is posted to /v1/traces."""
 
@@ -275,8 +285,11 @@ def test_live_server_exports_over_otlp():
                 if {s.name for _, s in mine} >= wanted or time.monotonic() > deadline:
                     break
                 time.sleep(0.1)
+            log = server.output()
         collector.shutdown()
     assert {s.name for _, s in mine} >= wanted, [s.name for _, s in mine]
+    # The access line names the trace.
+    assert "POST /v1/embeddings 200" in log and f"trace_id={trace_id:032x}" in log
     [server_span] = [s for _, s in mine if s.name == "POST /v1/embeddings"]
     for _, s in mine:
         if s is not server_span:

@@ -73,6 +73,7 @@ def logging_config(level: str, log_format: str) -> dict[str, Any]:
 
 def configure_logging(level: str, log_format: str) -> None:
     logging.config.dictConfig(logging_config(level, log_format))
+    logging.captureWarnings(True)  # Python warnings (torch's, say) in the same format, not bare stderr
 
 
 # --- traces -------------------------------------------------------------------------------------
@@ -106,8 +107,9 @@ def setup_tracing(endpoint: str) -> None:
 
 
 def use_tracer_provider(provider: Any) -> None:
-    """Trace with this SDK TracerProvider from now on (None: stop). The global provider is left alone: the
-    app is handed this one explicitly (api/access_log.py), so a test can trace into its own exporter."""
+    """Trace with this SDK TracerProvider from now on (None: stop); before `create_app`, which hands it to
+    FastAPI (api/access_log.py). The global provider is left alone, so a test can trace into its own
+    exporter."""
     global _provider, _tracer
     _provider = provider
     _tracer = provider.get_tracer("embed_service", __version__) if provider is not None else None
@@ -115,10 +117,6 @@ def use_tracer_provider(provider: Any) -> None:
 
 def tracer_provider() -> Any:
     return _provider
-
-
-def tracing() -> bool:
-    return _tracer is not None
 
 
 def current_span() -> Any:

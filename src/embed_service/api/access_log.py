@@ -50,9 +50,9 @@ def note(request: Any, **fields: Any) -> None:
 
 
 def telemetry_config() -> TelemetryConfig:
-    """FastAPI's OpenTelemetry settings: the HTTP server span with our provider when tracing is on,
-    nothing otherwise; probes and scrapes are not traced. FastAPI's own metrics and log events stay off: the metrics are Prometheus's
-    (metrics.py) and the log lines are these."""
+    """FastAPI's OpenTelemetry settings: the HTTP server span with our provider when tracing is on (probes
+    and scrapes excepted), nothing otherwise. FastAPI's own metrics and log events stay off: the metrics
+    are Prometheus's (metrics.py) and the log lines are these."""
     provider = observability.tracer_provider()
     off: TelemetryConfig = {"metrics": False, "logs": False, "operation_spans": False}
     if provider is None:
@@ -99,7 +99,7 @@ class AccessLogMiddleware:
             if status is not None:
                 raise  # the response has begun: nothing can be answered any more
             errors_log.exception(
-                "unhandled error on %s %s request_id=%s", scope["method"], scope["path"], rid
+                "unhandled error on %s %s request_id=%s", scope["method"], printable(scope["path"]), rid
             )
             if span is not None:
                 span.record_exception(exc)
@@ -111,6 +111,11 @@ class AccessLogMiddleware:
             raise
         finally:
             access_line(scope, status or 500, time.perf_counter() - start, state, span)
+
+
+def printable(path: str) -> str:
+    """The server percent-decodes the path: encode it again, so no control character reaches a line."""
+    return quote(path, safe="/:@!$&'()*+,;=-._~")
 
 
 def span_attributes(state: dict) -> dict[str, Any]:
@@ -129,8 +134,7 @@ def access_line(scope: Scope, status: int, seconds: float, state: dict, span: An
     level = logging.DEBUG if path in QUIET_PATHS else logging.INFO
     if not log.isEnabledFor(level):
         return
-    # The path is percent-decoded by the server: encode it again, so no control character reaches a line.
-    path = quote(path, safe="/:@!$&'()*+,;=-._~")
+    path = printable(path)
     fields: dict[str, Any] = {
         "method": scope["method"],
         "path": path,
