@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from embed_service import __version__, metrics
+from embed_service.api.access_log import AccessLogMiddleware, telemetry_config
 from embed_service.api.errors import install_handlers
 from embed_service.api.routes import router
 from embed_service.config import Settings
@@ -96,11 +97,12 @@ def create_app(settings: Settings, engines: list[Engine]) -> FastAPI:
             await asyncio.gather(task, return_exceptions=True)
             await asyncio.gather(*(e.close() for e in engines), return_exceptions=True)
 
-    app = FastAPI(title="embed-service", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="embed-service", version=__version__, lifespan=lifespan, telemetry=telemetry_config())
     app.state.server = state
     install_handlers(app)
     app.include_router(router)
     app.add_middleware(MetricsMiddleware, default_model=engines[0].name)
+    app.add_middleware(AccessLogMiddleware)  # added last: outermost
     return app
 
 

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
 from embed_service import __version__, metrics
+from embed_service.api.access_log import note
 from embed_service.api.errors import APIError, from_validation, invalid_request, too_large, unauthorized
 from embed_service.api.schemas import EmbeddingRequest, TokenizeRequest
 from embed_service.engine.engine import EmbedOptions, Engine
@@ -123,6 +124,7 @@ def serving(request: Request, name: str | None) -> Engine:
 @router.post("/embeddings", include_in_schema=False)
 async def embeddings(request: Request, _: Authorized) -> Response:
     body = await read_json(request, EmbeddingRequest)
+    note(request, inputs=len(body.input))
     engine = serving(request, body.model)
     limit = server(request).settings.max_client_batch_size
     if len(body.input) > limit:
@@ -136,6 +138,7 @@ async def embeddings(request: Request, _: Authorized) -> Response:
         body.prompt,
     )
     result = await until_disconnect(request, engine.embed(body.input, opts))
+    note(request, tokens=result.prompt_tokens)
     vectors = result.embeddings  # (n, d) float32
     if body.encoding_format == "base64":
         data = [
@@ -158,11 +161,13 @@ async def embeddings(request: Request, _: Authorized) -> Response:
 @router.post("/tokenize")
 async def tokenize(request: Request, _: Authorized) -> Response:
     body = await read_json(request, TokenizeRequest)
+    note(request, inputs=len(body.input))
     engine = serving(request, body.model)
     opts = EmbedOptions(
         body.truncate, body.truncation_direction, prompt_name=body.prompt_name, prompt=body.prompt
     )
     ids = await engine.tokenize(body.input, opts)
+    note(request, tokens=sum(len(t) for t in ids))
     return json_response(
         {
             "data": [{"index": i, "tokens": t, "count": len(t)} for i, t in enumerate(ids)],
