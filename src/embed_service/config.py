@@ -30,6 +30,14 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Log verbosity."""
 
+    log_format: Literal["text", "json"] = "text"
+    """Log line format, the same for the server's lines and uvicorn's: ``text`` (one readable line each) or
+    ``json`` (one JSON object per line, tracebacks included, for log collectors)."""
+
+    otlp_endpoint: str | None = None
+    """OpenTelemetry collector to send request traces to, over OTLP/HTTP: its base URL (e.g.
+    ``http://otel-collector:4318``; ``/v1/traces`` is added). Needs the ``otel`` extra. Default: no tracing."""
+
     api_key: str | None = None
     """When set, requests must carry ``Authorization: Bearer <key>`` (/live, /health and /metrics stay open).
     Several keys: separate them with commas. On the command line a key is visible to every local user (the
@@ -122,6 +130,13 @@ class Settings(BaseSettings):
         if isinstance(v, str):
             return [s.strip() for s in v.split(",") if s.strip()]
         return v
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _otlp_url(cls, v: str | None) -> str | None:
+        if v and not v.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL, e.g. http://otel-collector:4318")
+        return v or None
 
     @field_validator("port")
     @classmethod

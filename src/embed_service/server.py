@@ -15,6 +15,7 @@ from types import FrameType
 
 import uvicorn
 
+from embed_service import observability
 from embed_service.api.app import create_app
 from embed_service.api.http_limits import uvicorn_options
 from embed_service.config import DEFAULT_MODEL_NAME, Settings
@@ -98,9 +99,9 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(settings: Settings) -> int:
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    # Once, before anything logs; uvicorn is told to leave it alone (log_config=None), so its lines take
+    # the same handler and format.
+    observability.configure(settings.log_level, settings.log_format, settings.otlp_endpoint)
     engine = build_engine(settings)
     app = create_app(settings, [engine])
     config = uvicorn.Config(
@@ -108,6 +109,7 @@ def serve(settings: Settings) -> int:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        log_config=None,
         access_log=False,
         timeout_graceful_shutdown=int(settings.drain_timeout) + 5,
         **uvicorn_options(settings),

@@ -14,6 +14,7 @@ from fastapi import FastAPI
 
 from embed_service import __version__, metrics
 from embed_service.api import docs, openapi
+from embed_service.api.access_log import AccessLogMiddleware, telemetry_config
 from embed_service.api.auth import ApiKeys, load_api_keys
 from embed_service.api.errors import install_handlers
 from embed_service.api.routes import check_api_key, router
@@ -108,6 +109,7 @@ def create_app(settings: Settings, engines: list[Engine]) -> FastAPI:
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
+        telemetry=telemetry_config(),
     )
     app.state.server = state
     install_handlers(app)
@@ -116,6 +118,7 @@ def create_app(settings: Settings, engines: list[Engine]) -> FastAPI:
         app.include_router(docs.router)
     openapi.install(app, router, check_api_key, bool(state.api_keys))
     app.add_middleware(MetricsMiddleware, default_model=engines[0].name)
+    app.add_middleware(AccessLogMiddleware)  # added last: outermost
     return app
 
 

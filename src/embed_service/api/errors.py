@@ -133,15 +133,14 @@ def error_response(err: APIError) -> Response:
 
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api(request: Request, exc: APIError) -> Response:
-        if exc.status == CLIENT_CLOSED:
-            log.info("%s %s: the client went away before its answer", request.method, request.url.path)
+    async def _api(_: Request, exc: APIError) -> Response:
         return error_response(exc)
 
     @app.exception_handler(ClientDisconnect)
-    async def _gone(request: Request, _: ClientDisconnect) -> Response:
-        # Whatever part of a route saw the disconnect: one line and a 499, not a traceback and a 500.
-        return await _api(request, client_closed())
+    async def _gone(_: Request, __: ClientDisconnect) -> Response:
+        # Whatever part of a route saw the disconnect: a 499 (its one line is the access line), not a
+        # traceback and a 500.
+        return error_response(client_closed())
 
     @app.exception_handler(EngineError)
     async def _engine(_: Request, exc: EngineError) -> Response:

@@ -20,6 +20,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import PlainTextResponse, Response
 
 from embed_service import __version__, metrics
+from embed_service.api.access_log import note
 from embed_service.api.errors import (
     RETRY_AFTER,
     client_closed,
@@ -175,6 +176,7 @@ def serving(request: Request, name: str | None) -> Engine:
 @router.post("/embeddings", include_in_schema=False)
 async def embeddings(request: Request, _: Authorized) -> Response:
     body = await read_json(request, EmbeddingRequest)
+    note(request, inputs=len(body.input))
     engine = serving(request, body.model)
     limit = server(request).settings.max_client_batch_size
     if len(body.input) > limit:
@@ -188,6 +190,7 @@ async def embeddings(request: Request, _: Authorized) -> Response:
         body.prompt,
     )
     result = await until_disconnect(request, engine.embed(body.input, opts))
+    note(request, tokens=result.prompt_tokens)
     vectors = result.embeddings  # (n, d) float32
     if body.encoding_format == "base64":
         data = [
@@ -215,11 +218,13 @@ async def embeddings(request: Request, _: Authorized) -> Response:
 )
 async def tokenize(request: Request, _: Authorized) -> Response:
     body = await read_json(request, TokenizeRequest)
+    note(request, inputs=len(body.input))
     engine = serving(request, body.model)
     opts = EmbedOptions(
         body.truncate, body.truncation_direction, prompt_name=body.prompt_name, prompt=body.prompt
     )
     ids = await engine.tokenize(body.input, opts)
+    note(request, tokens=sum(len(t) for t in ids))
     return json_response(
         {
             "data": [{"index": i, "tokens": t, "count": len(t)} for i, t in enumerate(ids)],

@@ -19,7 +19,7 @@ import numpy as np
 
 from embed_service import metrics
 from embed_service.batching.policy import PriorityFirst
-from embed_service.batching.sequence import Sequence
+from embed_service.batching.sequence import Sequence, mark_ran
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +154,7 @@ class Batcher:
                         s.future.set_exception(exc)
                 continue
             finally:
+                mark_ran(batch, index, start, len(ids))  # for the requests' traces
                 self._busy[index] = False
                 if self.queue or self.priority:
                     wakeup.set()

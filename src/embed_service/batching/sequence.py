@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 
@@ -13,14 +14,34 @@ class RequestState:
     cancelled: bool = False
 
 
+@dataclass(frozen=True)
+class BatchRun:
+    """When (time.perf_counter() seconds) and where one batch ran; its sequences share one, which is how a
+    request's trace learns its queue wait and inference time after the fact (observability.py)."""
+
+    replica: int
+    started_at: float
+    finished_at: float
+    sequences: int
+    tokens: int
+
+
 @dataclass(eq=False)
 class Sequence:
     ids: list[int]
     future: asyncio.Future
     request: RequestState
     enqueued_at: float = 0.0
+    ran: BatchRun | None = None  # set when its batch has run (or failed)
     extra: dict = field(default_factory=dict)
 
     @property
     def cancelled(self) -> bool:
         return self.request.cancelled or self.future.done()
+
+
+def mark_ran(batch: list[Sequence], replica: int, started_at: float, tokens: int) -> None:
+    """Stamp a batch that has just ended (before its futures are answered)."""
+    ran = BatchRun(replica, started_at, time.perf_counter(), len(batch), tokens)
+    for s in batch:
+        s.ran = ran

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from embed_service import metrics
+from embed_service import metrics, observability
 from embed_service.batching.batcher import Batcher
 from embed_service.batching.sequence import RequestState, Sequence
 from embed_service.config import Settings
@@ -279,17 +279,22 @@ class Engine:
             raise InvalidInputError(str(exc), param=exc.param) from None
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
-        try:
-            if _small(inputs):
-                # A few short texts tokenize in tens of microseconds: less than the hop to a thread and
-                # back, which online traffic (one query per request) would pay on every request.
-                ids = self._token_ids(inputs, rule, prompt)
-            else:
-                ids = await loop.run_in_executor(self._tokenize_pool, self._token_ids, inputs, rule, prompt)
-        except InputTooLongError as exc:
-            raise InvalidInputError(str(exc)) from None
-        except InvalidTokenError as exc:
-            raise InvalidInputError(str(exc)) from None
+        with observability.span("tokenize") as span:
+            try:
+                if _small(inputs):
+                    # A few short texts tokenize in tens of microseconds: less than the hop to a thread and
+                    # back, which online traffic (one query per request) would pay on every request.
+                    ids = self._token_ids(inputs, rule, prompt)
+                else:
+                    ids = await loop.run_in_executor(
+                        self._tokenize_pool, self._token_ids, inputs, rule, prompt
+                    )
+            except InputTooLongError as exc:
+                raise InvalidInputError(str(exc)) from None
+            except InvalidTokenError as exc:
+                raise InvalidInputError(str(exc)) from None
+            if span is not None:
+                span.set_attributes({"embed.inputs": len(ids), "embed.tokens": sum(map(len, ids))})
         metrics.TOKENIZATION_DURATION.labels(self.name).observe(time.perf_counter() - start)
         return ids
 
@@ -328,6 +333,7 @@ class Engine:
             except BaseException:
                 state.cancelled = True  # the client went away, or a batch failed: drop the rest
                 raise
+            observability.trace_batches(seqs)
             normalize = self.spec.normalize if opts.normalize is None else opts.normalize
             vectors = finish(np.stack([r.dense for r in results]), opts.dimensions, normalize)
             metrics.INPUT_TOKENS.labels(self.name).inc(tokens)
