@@ -89,7 +89,7 @@ class Admission:
         self.reserved = min(reserved, capacity // 4)
         self.shared = capacity - self.reserved
         self.interactive_max_inputs = interactive_max_inputs
-        self.max_window = max(MIN_WINDOW, self.shared // 2)
+        self.max_window = max(1, min(self.shared, max(MIN_WINDOW, self.shared // 2)))
         self.name = name
         self.in_reserve = 0
         self.in_shared = 0
@@ -111,7 +111,7 @@ class Admission:
             return Permit(self, n, n, interactive=True)
         free = self.shared - self.in_shared
         window = min(n, free, self.max_window)
-        if window < min(n, MIN_WINDOW):
+        if window < min(n, MIN_WINDOW, self.max_window):
             raise OverloadedError(
                 f"model {self.name} is at capacity ({self.in_use} of {self.capacity} inputs "
                 f"in progress); retry shortly"

@@ -244,14 +244,20 @@ class Tokenizer:
         """A sequence for a text longer than the rule can use, from windows of it: more content tokens
         than `room`, so that truncation cuts it exactly as it would cut the whole text's sequence."""
         limit = max(1, (max_chars or len(prompt) + len(text)) - len(prompt))
-        if rule.direction == "right" or not rule.enabled:
-            content = self._stable_head(text, prompt, room + 1, limit, index)
-        else:
-            # Left: the prompt's tokens from the start of the content, the rest from the end of the text.
-            # Each side reads at most half the limit, so the two windows never overlap.
-            half = max(1, min(limit, len(text)) // 2)
-            lead = self._stable_head(text, prompt, head, half, index)[:head] if head else []
-            content = lead + self._stable_tail(text, room - head + 1, half, index)
+        try:
+            if rule.direction == "right" or not rule.enabled:
+                content = self._stable_head(text, prompt, room + 1, limit, index)
+            else:
+                # Left: the prompt's tokens from the start of the content, the rest from the end of the
+                # text. Each side reads at most half the text, so the two windows never overlap.
+                half = max(1, min(limit, len(text)) // 2)
+                lead = self._stable_head(text, prompt, head, half, index)[:head] if head else []
+                content = lead + self._stable_tail(text, room - head + 1, half, index)
+        except InputCharsError:
+            if len(text) > limit:
+                raise
+            # Windows did not decide it (much whitespace), but the whole text may be read: read it.
+            return self._with_eos(self.backend.encode(prompt + text, add_special_tokens=True).ids)
         return self._with_eos(self.template_head + content + self.template_tail)
 
     def _stable_head(self, text: str, prompt: str, need: int, limit: int, index: int) -> list[int]:
