@@ -51,7 +51,7 @@ def in_flight(server) -> float:
 
 
 def error(r: httpx.Response, status: int) -> dict:
-    assert r.status_code == status, r.text
+    assert r.status_code == status, r.text[:500]
     return r.json()["error"]
 
 
