@@ -70,9 +70,11 @@ def test_every_admitted_input_is_answered_once_in_order(requests, capacity, rese
     def count(in_use: int) -> None:
         nonlocal high
         high = max(high, in_use)
+        assert admission.in_reserve <= admission.reserved and admission.in_shared <= admission.shared
+
+    admission = Admission(capacity, reserved, 4, "m", count)
 
     async def main() -> list[str]:
-        admission = Admission(capacity, reserved, 4, "m", count)
         batcher = Batcher(
             [Backend(computed), Backend(computed)], 64, 8, "m", priority_batch_tokens=16, bulk_aging_s=0.001
         )

@@ -199,12 +199,15 @@ async def run_piecewise(
     """
     futures: list[asyncio.Future] = []
     slot_freed = asyncio.Event()
+    failed = False
 
-    def answered(_: asyncio.Future) -> None:
+    def answered(future: asyncio.Future) -> None:
+        nonlocal failed
+        failed = failed or future.cancelled() or future.exception() is not None
         permit.done(1)
         slot_freed.set()
 
-    while len(futures) < n:
+    while len(futures) < n and not failed:  # after a failure the request fails: start nothing more
         k = permit.free()
         if not k:
             slot_freed.clear()
