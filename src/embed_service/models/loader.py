@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from embed_service.layers.linear import ReplicatedLinear, default_weight_loader
+from embed_service.models.checkpoint import weight_files
 from embed_service.models.spec import DenseSpec, ModelSpec
 from embed_service.ops.batch import FlatBatch, padded_tokens
 from embed_service.ops.pooling import POOLERS
@@ -21,20 +22,15 @@ from embed_service.ops.pooling import POOLERS
 
 def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of the safetensors files in a folder (else pytorch_model*.bin)."""
-    files = sorted(path.glob("*.safetensors"))
-    if files:
-        from safetensors import safe_open
+    for file in weight_files(path):
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
 
-        for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     yield name, f.get_tensor(name)
-        return
-    bins = sorted(path.glob("pytorch_model*.bin"))
-    if not bins:
-        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {path}")
-    for file in bins:
-        yield from torch.load(file, map_location="cpu", weights_only=True).items()
+        else:
+            yield from torch.load(file, map_location="cpu", weights_only=True).items()
 
 
 def load_weights(model: nn.Module, path: Path) -> None:
