@@ -139,3 +139,23 @@ def read_corpus(name: str, n: int) -> list[str]:
     if len(texts) < n:
         raise ValueError(f"{CORPUS / name} has {len(texts)} texts, fewer than the {n} asked for")
     return texts
+
+
+def refusal(*args: str, env: dict[str, str] | None = None, timeout: float = 120.0) -> str:
+    """Run `embed-service serve ARGS`, which must refuse to start: a non-zero exit within `timeout`, no
+    traceback; the first line that says why (`embed-service: ...` or a logged error) is returned."""
+    start = time.monotonic()
+    run = subprocess.run(
+        [sys.executable, "-m", "embed_service", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+    output = run.stdout + run.stderr
+    assert run.returncode != 0, output
+    assert "Traceback" not in output, output
+    why = [ln for ln in run.stderr.splitlines() if ln.startswith("embed-service: ") or " ERROR " in ln]
+    assert why, output
+    print(f"\nrefused in {time.monotonic() - start:.1f}s with exit {run.returncode}: {why[0]}")
+    return why[0]

@@ -52,7 +52,12 @@ def settings_errors(exc: Exception, flags: dict[str, Any]) -> list[str]:
         for err in exc.errors():
             name = str(err["loc"][0]) if err["loc"] else "settings"
             msg = err["msg"].removeprefix("Value error, ")
-            lines.append(f"{_source(name, flags)}={err.get('input')!r}: {msg}")
+            value = err.get("input")
+            if name in flags:  # as typed: --num-threads -2
+                shown = " ".join(map(str, value)) if isinstance(value, list) else str(value)
+                lines.append(f"{_source(name, flags)} {shown}: {msg}")
+            else:
+                lines.append(f"{_source(name, flags)}={value!r}: {msg}")
         return lines
     # pydantic-settings fails before validation when a variable cannot be decoded at all.
     found = re.search(r'field "(\w+)"', str(exc))

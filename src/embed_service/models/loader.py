@@ -40,6 +40,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
     ignored: tuple[str, ...] = getattr(model, "ignored_weights", ())
     ignored_fragments: tuple[str, ...] = getattr(model, "ignored_fragments", ())
     loaded: set[str] = set()
+    shards_loaded: dict[str, set[object]] = {}  # a packed parameter -> the shards the checkpoint filled
     for name, tensor in iter_checkpoint(path):
         for prefix in prefixes:
             if name.startswith(prefix) and name[len(prefix) :].split(".")[0] in dict(model.named_children()):
@@ -60,6 +61,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
             loader(param, tensor)
         else:
             loader(param, tensor, shard)
+            shards_loaded.setdefault(name, set()).add(shard)
         loaded.add(name)
     tied = getattr(model, "tied_weights", {})
     for name, source in tied.items():
@@ -67,6 +69,11 @@ def load_weights(model: nn.Module, path: Path) -> None:
             params[name].data.copy_(params[source].data)
             loaded.add(name)
     missing = sorted(set(params) - loaded)
+    # A packed parameter (q, k and v in one) with a shard missing would keep that shard uninitialized.
+    for name, got in shards_loaded.items():
+        for fragment, (target, shard_id) in mapping.items():
+            if target in name and shard_id not in got:
+                missing.append(name.replace(target, fragment))
     if missing:
         raise ValueError(
             f"{path}: weights missing from the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}"
