@@ -70,7 +70,7 @@ def build_engine(settings: Settings) -> Engine:
     if settings.model:
         path = Path(settings.model).expanduser()
         if not path.is_dir():
-            raise StartupError(f"--model {settings.model}: no such directory")
+            raise StartupError(f"model folder {settings.model} (--model / EMBED_MODEL): no such directory")
         # The name as the user wrote it (a symlink's own name), else the resolved folder's ("." -> its name).
         names = settings.served_model_name or [path.name or path.resolve().name]
     else:
