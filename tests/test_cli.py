@@ -92,6 +92,15 @@ def test_served_model_name_variable_takes_one_name_or_a_comma_list(monkeypatch, 
     assert Settings().served_model_name == names
 
 
+def test_served_model_name_flag_is_repeatable_and_wins_over_the_variable(monkeypatch):
+    from embed_service.cli import build_parser
+
+    monkeypatch.setenv("EMBED_SERVED_MODEL_NAME", "from-env")
+    args = build_parser().parse_args(["serve", "--served-model-name", "a", "--served-model-name", "b,c"])
+    values = {k: v for k, v in vars(args).items() if k != "command"}
+    assert Settings(**values).served_model_name == ["a", "b", "c"]
+
+
 def test_list_variables_get_past_the_settings_in_the_server():
     # The comma form used to crash in pydantic-settings before any validator ran. With the port taken,
     # the server gets past its settings and stops at the bind: no model needed.
@@ -112,18 +121,13 @@ def test_missing_model_directory_is_refused(tmp_path):
 def test_flags_env_and_aliases(default_model_path, tmp_path):
     link = tmp_path / "my-minilm"
     link.symlink_to(default_model_path)
-    env = {"EMBED_MAX_INPUT_LENGTH": "128", "EMBED_AUTO_TRUNCATE": "false"}
-    with ServerProcess(
-        "--model",
-        str(link),
-        "--served-model-name",
-        "first",
-        "--served-model-name",
-        "second",
-        "--dtype",
-        "float32",
-        env=env,
-    ) as s:
+    # The names in the documented comma form of the variable (the repeated flag: the test below).
+    env = {
+        "EMBED_MAX_INPUT_LENGTH": "128",
+        "EMBED_AUTO_TRUNCATE": "false",
+        "EMBED_SERVED_MODEL_NAME": "first,second",
+    }
+    with ServerProcess("--model", str(link), "--dtype", "float32", env=env) as s:
         info = httpx.get(s.url + "/info").json()
         assert info["model"] == "first" and info["served_model_names"] == ["first", "second"]
         assert info["max_input_length"] == 128 and info["auto_truncate"] is False
