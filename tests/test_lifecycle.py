@@ -46,7 +46,7 @@ def test_loading_answers_503_then_200():
 
 
 def test_health_answers_fast_while_a_long_batch_computes():
-    texts = read_corpus("passages.jsonl", 400)
+    texts = read_corpus("passages.jsonl", 150)
     with ServerProcess("--dtype", "float32", "--max-batch-tokens", "65536") as s:
         result: dict = {}
         t = threading.Thread(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+import math
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
 
@@ -18,7 +20,8 @@ class Settings(BaseSettings):
     model: str | None = None
     """Local model directory (Hugging Face / sentence-transformers layout). Default: the packaged all-MiniLM-L6-v2."""
 
-    served_model_name: list[str] = Field(default_factory=list)
+    # NoDecode: the variable reaches the validator as written ("a,b"), not JSON-decoded first.
+    served_model_name: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Names the model answers to (repeatable): the first is canonical, the others aliases. Default: the directory's name."""
 
     host: str = "127.0.0.1"
@@ -124,9 +127,18 @@ class Settings(BaseSettings):
     @field_validator("served_model_name", mode="before")
     @classmethod
     def _split_names(cls, v: object) -> object:
-        # EMBED_SERVED_MODEL_NAME="a,b" as well as a JSON list.
+        # EMBED_SERVED_MODEL_NAME="a,b" or "a" (or a JSON list); each flag value may hold commas too.
         if isinstance(v, str):
-            return [s.strip() for s in v.split(",") if s.strip()]
+            v = json.loads(v) if v.lstrip().startswith("[") else [v]
+        if isinstance(v, list) and all(isinstance(item, str) for item in v):
+            return [name.strip() for item in v for name in item.split(",") if name.strip()]
+        return v
+
+    @field_validator("served_model_name")
+    @classmethod
+    def _distinct_names(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"names must be distinct: {v}")
         return v
 
     @field_validator("otlp_endpoint")
@@ -154,6 +166,9 @@ class Settings(BaseSettings):
         "max_request_chars",
         "tensor_parallel_size",
         "priority_batch_tokens",
+        "max_input_length",
+        "data_parallel_size",
+        "num_threads",
     )
     @classmethod
     def _positive(cls, v: int | None) -> int | None:
@@ -161,9 +176,16 @@ class Settings(BaseSettings):
             raise ValueError("must be at least 1")
         return v
 
-    @field_validator("interactive_reserved_inputs", "bulk_aging_s")
+    @field_validator("priority_max_tokens", "interactive_reserved_inputs", "bulk_aging_s")
     @classmethod
     def _not_negative(cls, v: float) -> float:
         if v < 0:
-            raise ValueError("must not be negative")
+            raise ValueError("must be 0 or more")
+        return v
+
+    @field_validator("drain_timeout")
+    @classmethod
+    def _seconds(cls, v: float) -> float:
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError("must be a number of seconds, 0 or more")
         return v

@@ -99,7 +99,7 @@ class Tokenizer:
         self.backend = hf.backend_tokenizer
         self.backend.no_truncation()
         self.backend.no_padding()
-        self.vocab_size = max(len(hf), int(spec.config.get("vocab_size", 0)))
+        self.vocab_size = spec.check_tokenizer_size(len(hf))
         probe = self.backend.encode("a", add_special_tokens=True)
         content = [i for i, special in enumerate(probe.special_tokens_mask) if not special]
         # How many template tokens stand before and after the content ([CLS] ... [SEP] -> 1, 1).
