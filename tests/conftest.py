@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.server import ServerProcess
+from tests.server import ServerProcess, kill_all_servers
 
 
 @pytest.fixture(scope="session")
@@ -20,3 +20,16 @@ def exact_server() -> Iterator[ServerProcess]:
     """The packaged default model in float32: the exact mode every reference comparison uses."""
     with ServerProcess("--dtype", "float32") as server:
         yield server
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_server_outlives_its_module() -> Iterator[None]:
+    """Kill any server a module started and left running (a test that failed between start and stop)."""
+    before = set(ServerProcess.running)
+    yield
+    for server in set(ServerProcess.running) - before:
+        server.kill()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    kill_all_servers()  # also on Ctrl-C, before the interpreter's own exit

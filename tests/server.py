@@ -1,24 +1,29 @@
-"""A real server process on loopback, for tests that talk HTTP."""
+"""A real server process on loopback, for tests that talk HTTP, and the suite's own text corpus.
+
+Every server started here is killed however its test ends: ``wait_healthy`` kills a server that does not
+come up, the ``with`` form stops it on any exit, conftest kills whatever a module left running, and an
+interpreter exit (a failed run, Ctrl-C) kills the rest. On Linux a server started from the main thread is
+also SIGKILLed by the kernel when the test process dies outright.
+"""
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import httpx
 
-# The shared material sits beside the checkout (a worktree may sit one level deeper).
-SHARED = next(
-    (d / "shared" for d in Path(__file__).resolve().parents if (d / "shared" / "bench").is_dir()),
-    Path(__file__).resolve().parents[2] / "shared",
-)
-CORPUS = SHARED / "bench" / "corpus"
+# The suite's own texts (tests/data/make_corpus.py says where they come from and why they are enough).
+CORPUS = Path(__file__).resolve().parent / "data"
 
 
 def free_port() -> int:
@@ -27,14 +32,33 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# `python -m embed_service`, after asking the kernel to SIGKILL the server when the thread that started it
+# ends (PR_SET_PDEATHSIG = 1). Done in the child before the server starts, not in a preexec_fn, which is
+# unsafe in a process with threads.
+_DIE_WITH_PARENT = """
+import ctypes, os, runpy, signal, sys
+ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+if os.getppid() != int(sys.argv.pop(1)):
+    os._exit(1)
+sys.argv[0] = "embed_service"
+runpy.run_module("embed_service", run_name="__main__", alter_sys=True)
+"""
+
+
 class ServerProcess:
     """`python -m embed_service serve ...` in a subprocess; its log is kept for failure messages."""
+
+    running: set[ServerProcess] = set()
+    """Every server started and not yet stopped (conftest and atexit kill what is left)."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="embed-server-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "embed_service", "serve", "--port", str(self.port), *args]
+        # The death signal follows the thread that forks: only the main thread lives as long as pytest.
+        main = sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread()
+        launch = ["-c", _DIE_WITH_PARENT, str(os.getpid())] if main else ["-m", "embed_service"]
+        cmd = [sys.executable, *launch, "serve", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(
             cmd,
             stdout=self.log,
@@ -42,8 +66,17 @@ class ServerProcess:
             env={**os.environ, **(env or {})},
             start_new_session=True,
         )
+        ServerProcess.running.add(self)
 
     def wait_healthy(self, timeout: float = 180.0) -> ServerProcess:
+        """Return once /health is 200; a server that exits or does not get there is killed, then raised."""
+        try:
+            return self._wait_healthy(timeout)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _wait_healthy(self, timeout: float) -> ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -66,9 +99,19 @@ class ServerProcess:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
+                self.kill()
+        ServerProcess.running.discard(self)
         return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the server's whole session (its workers too), at once."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(10)
+        ServerProcess.running.discard(self)
 
     def __enter__(self) -> ServerProcess:
         return self.wait_healthy()
@@ -77,8 +120,42 @@ class ServerProcess:
         self.stop()
 
 
-def read_corpus(name: str, n: int) -> list[str]:
-    import json
+def kill_all_servers() -> int:
+    """Kill every server still running; the number killed."""
+    left = [s for s in list(ServerProcess.running) if s.proc.poll() is None]
+    for server in left:
+        server.kill()
+    ServerProcess.running.clear()
+    return len(left)
 
+
+atexit.register(kill_all_servers)
+
+
+def read_corpus(name: str, n: int) -> list[str]:
+    """The first `n` texts of tests/data/<name>; asking for more than the file has is an error."""
     with open(CORPUS / name, encoding="utf-8") as f:
-        return [json.loads(line)["text"] for _, line in zip(range(n), f)]
+        texts = [json.loads(line)["text"] for _, line in zip(range(n), f)]
+    if len(texts) < n:
+        raise ValueError(f"{CORPUS / name} has {len(texts)} texts, fewer than the {n} asked for")
+    return texts
+
+
+def refusal(*args: str, env: dict[str, str] | None = None, timeout: float = 120.0) -> str:
+    """Run `embed-service serve ARGS`, which must refuse to start: a non-zero exit within `timeout`, no
+    traceback; the first line that says why (`embed-service: ...` or a logged error) is returned."""
+    start = time.monotonic()
+    run = subprocess.run(
+        [sys.executable, "-m", "embed_service", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+    output = run.stdout + run.stderr
+    assert run.returncode != 0, output
+    assert "Traceback" not in output, output
+    why = [ln for ln in run.stderr.splitlines() if ln.startswith("embed-service: ") or " ERROR " in ln]
+    assert why, output
+    print(f"\nrefused in {time.monotonic() - start:.1f}s with exit {run.returncode}: {why[0]}")
+    return why[0]

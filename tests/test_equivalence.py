@@ -45,9 +45,11 @@ def embed_many(url: str, texts: list[str], per_request: int = 100) -> np.ndarray
     )
 
 
-@pytest.mark.parametrize("corpus", ["queries.jsonl", "passages.jsonl"])
-def test_matches_sentence_transformers_on_corpus(exact_server, reference, corpus):
-    texts = read_corpus(corpus, 1000) + EDGE_TEXTS
+# The whole of each file (tests/data/make_corpus.py): what varies the code path is the token count, and
+# these cover every padding step from 3 to 256 tokens and a third of the passages past it (truncated).
+@pytest.mark.parametrize("corpus, n", [("queries.jsonl", 300), ("passages.jsonl", 150)])
+def test_matches_sentence_transformers_on_corpus(exact_server, reference, corpus, n):
+    texts = read_corpus(corpus, n) + EDGE_TEXTS
     ours = embed_many(exact_server.url, texts)
     ref = reference.encode(texts, batch_size=64, convert_to_numpy=True)
     assert ours.shape == ref.shape == (len(texts), 384)
@@ -99,7 +101,7 @@ def test_token_ids_give_the_same_vectors_as_their_text(exact_server):
 
 
 def test_tokenize_returns_the_reference_ids_with_truncation(exact_server, reference):
-    long_text = read_corpus("passages.jsonl", 200)[-1] * 20
+    long_text = read_corpus("passages.jsonl", 150)[-1] * 20
     texts = ["hello world", long_text]
     r = httpx.post(exact_server.url + "/tokenize", json={"input": texts})
     assert r.status_code == 200

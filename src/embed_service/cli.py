@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import typing
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from embed_service.config import Settings
 
@@ -36,6 +38,31 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
             base = args[0] if args else annotation
             kind = base if base in (int, float) else str
             parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text)
+
+
+def _source(name: str, flags: dict[str, Any]) -> str:
+    """Where a setting's value came from, as the user wrote it: the flag, else the variable."""
+    return "--" + name.replace("_", "-") if name in flags else f"EMBED_{name.upper()}"
+
+
+def settings_errors(exc: Exception, flags: dict[str, Any]) -> list[str]:
+    """One line per invalid setting, naming the flag or variable, the value and what is wrong."""
+    if isinstance(exc, ValidationError):
+        lines = []
+        for err in exc.errors():
+            name = str(err["loc"][0]) if err["loc"] else "settings"
+            msg = err["msg"].removeprefix("Value error, ")
+            value = err.get("input")
+            if name in flags:  # as typed: --num-threads -2
+                shown = " ".join(map(str, value)) if isinstance(value, list) else str(value)
+                lines.append(f"{_source(name, flags)} {shown}: {msg}")
+            else:
+                lines.append(f"{_source(name, flags)}={value!r}: {msg}")
+        return lines
+    # pydantic-settings fails before validation when a variable cannot be decoded at all.
+    found = re.search(r'field "(\w+)"', str(exc))
+    cause = f": {exc.__cause__}" if exc.__cause__ else ""
+    return [f"{_source(found.group(1), flags) if found else 'settings'}: cannot read the value{cause}"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,12 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         try:
             settings = Settings(**values)
-        except ValidationError as exc:
-            for err in exc.errors():
-                print(
-                    f"embed-service: --{'-'.join(str(p) for p in err['loc']).replace('_', '-')}: {err['msg']}",
-                    file=sys.stderr,
-                )
+        except (ValidationError, SettingsError) as exc:
+            for line in settings_errors(exc, values):
+                print(f"embed-service: {line}", file=sys.stderr)
             return 2
         from embed_service.server import serve
 

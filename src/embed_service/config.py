@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+import math
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
 
@@ -18,7 +20,8 @@ class Settings(BaseSettings):
     model: str | None = None
     """Local model directory (Hugging Face / sentence-transformers layout). Default: the packaged all-MiniLM-L6-v2."""
 
-    served_model_name: list[str] = Field(default_factory=list)
+    # NoDecode: the variable reaches the validator as written ("a,b"), not JSON-decoded first.
+    served_model_name: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Names the model answers to (repeatable): the first is canonical, the others aliases. Default: the directory's name."""
 
     host: str = "127.0.0.1"
@@ -72,11 +75,37 @@ class Settings(BaseSettings):
     max_batch_requests: int = 256
     """Sequences per forward pass."""
 
-    max_concurrent_requests: int = 1024
-    """Inputs admitted and not yet answered (queued or running); an input past it is answered 429 at once."""
+    max_concurrent_requests: int = 2048
+    """Inputs admitted and not yet answered (tokenizing, queued or running), on every route together. A
+    request larger than the free capacity is admitted piecewise (its inputs enter as capacity frees); one
+    that finds no room at all is answered 429 at once."""
+
+    interactive_reserved_inputs: int = 256
+    """Of --max-concurrent-requests, inputs held for interactive requests (at most
+    --interactive-max-inputs inputs): bulk requests never take them, so a large request cannot lock
+    short ones out. Interactive requests beyond it are admitted as bulk work. At most a quarter of the
+    capacity is reserved, whatever the value."""
+
+    interactive_max_inputs: int = 32
+    """Requests of at most this many inputs may use the reserved capacity; those of them with at most
+    --priority-max-tokens tokens take the priority lane."""
 
     max_client_batch_size: int = 2048
-    """Inputs in one request."""
+    """Inputs in one request (on every route); more is a 400."""
+
+    max_input_chars: int = 131072
+    """Characters of one input, the prompt included, that the tokenizer may read. Longer texts are cut
+    before tokenizing, to what the max input length can use; a text whose truncation cannot be decided
+    within this many characters (mostly whitespace) is a 400, as is any longer input with truncation off
+    whose length cannot be decided either."""
+
+    max_request_chars: int = 8 * 1024 * 1024
+    """Characters one request may have tokenized: each input's (prompt + text, at most
+    --max-input-chars), summed; more is a 400 before any tokenization."""
+
+    bulk_aging_s: float = 1.0
+    """Bulk sequences that have waited longer than this many seconds go ahead of priority work, in up to
+    half of each batch's tokens, so bulk work cannot starve behind a stream of short requests. 0: off."""
 
     max_request_bytes: int = 8 * 1024 * 1024
     """Largest request body; larger ones get 413."""
@@ -126,9 +155,18 @@ class Settings(BaseSettings):
     @field_validator("served_model_name", mode="before")
     @classmethod
     def _split_names(cls, v: object) -> object:
-        # EMBED_SERVED_MODEL_NAME="a,b" as well as a JSON list.
+        # EMBED_SERVED_MODEL_NAME="a,b" or "a" (or a JSON list); each flag value may hold commas too.
         if isinstance(v, str):
-            return [s.strip() for s in v.split(",") if s.strip()]
+            v = json.loads(v) if v.lstrip().startswith("[") else [v]
+        if isinstance(v, list) and all(isinstance(item, str) for item in v):
+            return [name.strip() for item in v for name in item.split(",") if name.strip()]
+        return v
+
+    @field_validator("served_model_name")
+    @classmethod
+    def _distinct_names(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"names must be distinct: {v}")
         return v
 
     @field_validator("otlp_endpoint")
@@ -160,11 +198,31 @@ class Settings(BaseSettings):
         "max_concurrent_requests",
         "max_client_batch_size",
         "max_request_bytes",
+        "interactive_max_inputs",
+        "max_input_chars",
+        "max_request_chars",
         "tensor_parallel_size",
         "priority_batch_tokens",
+        "max_input_length",
+        "data_parallel_size",
+        "num_threads",
     )
     @classmethod
     def _positive(cls, v: int | None) -> int | None:
         if v is not None and v < 1:
             raise ValueError("must be at least 1")
+        return v
+
+    @field_validator("priority_max_tokens", "interactive_reserved_inputs", "bulk_aging_s")
+    @classmethod
+    def _not_negative(cls, v: float) -> float:
+        if v < 0:
+            raise ValueError("must be 0 or more")
+        return v
+
+    @field_validator("drain_timeout")
+    @classmethod
+    def _seconds(cls, v: float) -> float:
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError("must be a number of seconds, 0 or more")
         return v

@@ -167,8 +167,8 @@ def trace_batches(seqs: Iterable[_Traced]) -> None:
         return
     runs: dict[int, list[Any]] = {}  # id(batch) -> [batch, this request's sequences in it]
     enqueued = None
-    for s in seqs:
-        enqueued = s.enqueued_at
+    for s in seqs:  # a request admitted piecewise submits in parts: its queue span starts with the first
+        enqueued = s.enqueued_at if enqueued is None else min(enqueued, s.enqueued_at)
         if s.ran is not None:
             runs.setdefault(id(s.ran), [s.ran, 0])[1] += 1
     if enqueued is None or not runs:

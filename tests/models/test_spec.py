@@ -127,3 +127,62 @@ def test_default_prompt_must_exist(tmp_path):
     files = {"config_sentence_transformers.json": {"prompts": {"query": "q: "}, "default_prompt_name": "doc"}}
     with pytest.raises(ValueError, match="default_prompt_name"):
         load_spec(folder(tmp_path, {"architectures": ["BertModel"]}, files))
+
+
+def dense_module(config: dict) -> dict[str, object]:
+    files = st_files({"pooling_mode": "mean"}, normalize=False)
+    files["modules.json"] = [  # type: ignore[operator]
+        *files["modules.json"],  # type: ignore[misc]
+        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+    ]
+    return {**files, "2_Dense/config.json": config}
+
+
+@pytest.mark.parametrize(
+    "dense, match",
+    [
+        ({"in_features": 64}, "out_features is missing"),
+        ({"out_features": 32}, "in_features is missing"),
+        ({"in_features": 64, "out_features": "32"}, "out_features is '32', not a positive integer"),
+        ({"in_features": 64, "out_features": 32, "bias": "yes"}, "bias is 'yes'"),
+        ({"in_features": 100, "out_features": 32}, "in_features is 100, but its input has 64 features"),
+    ],
+)
+def test_a_broken_dense_config_names_its_file_and_key(tmp_path, dense, match):
+    with pytest.raises(ValueError, match=match) as exc:
+        load_spec(folder(tmp_path, {"architectures": ["BertModel"]}, dense_module(dense)))
+    assert "2_Dense" in str(exc.value)
+
+
+def test_a_good_dense_config(tmp_path):
+    spec = load_spec(
+        folder(
+            tmp_path, {"architectures": ["BertModel"]}, dense_module({"in_features": 64, "out_features": 32})
+        )
+    )
+    assert spec.dimension == 32 and spec.dense[0].activation == "tanh"
+
+
+@pytest.mark.parametrize("pad", [None, "1", -1, True])
+def test_roberta_positions_need_a_pad_token_id(tmp_path, pad):
+    with pytest.raises(ValueError, match="pad_token_id"):
+        load_spec(folder(tmp_path, {"architectures": ["RobertaModel"], "pad_token_id": pad}))
+
+
+def test_token_ids_are_bounded_by_the_embedding_table(tmp_path, default_model_path):
+    """The bound is the table's rows (vocab_size), never the tokenizer's size when that is larger."""
+    from embed_service.engine.tokenizer import InvalidTokenError, Tokenizer
+
+    def tokenizer(vocab_size: int) -> Tokenizer:
+        path = tmp_path / str(vocab_size)
+        path.mkdir()
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+            (path / name).write_bytes((default_model_path / name).read_bytes())
+        return Tokenizer(load_spec(folder(path, {"architectures": ["BertModel"], "vocab_size": vocab_size})))
+
+    padded = tokenizer(30600)  # a table with spare rows past the tokenizer's 30,522 ids
+    padded.check_ids([[101, 30599, 102]])
+    with pytest.raises(InvalidTokenError, match="0..30599"):
+        padded.check_ids([[101, 30600, 102]])
+    with pytest.raises(ValueError, match="30522 tokens but the embedding table only 30000 rows"):
+        tokenizer(30000)

@@ -178,9 +178,7 @@ async def embeddings(request: Request, _: Authorized) -> Response:
     body = await read_json(request, EmbeddingRequest)
     note(request, inputs=len(body.input))
     engine = serving(request, body.model)
-    limit = server(request).settings.max_client_batch_size
-    if len(body.input) > limit:
-        raise invalid_request(f"{len(body.input)} inputs in one request; the limit is {limit}", "input")
+    # Admission (the client batch limit, the character budgets, capacity) is the engine's, for every route.
     opts = EmbedOptions(
         body.truncate,
         body.truncation_direction,
@@ -223,7 +221,7 @@ async def tokenize(request: Request, _: Authorized) -> Response:
     opts = EmbedOptions(
         body.truncate, body.truncation_direction, prompt_name=body.prompt_name, prompt=body.prompt
     )
-    ids = await engine.tokenize(body.input, opts)
+    ids = await until_disconnect(request, engine.tokenize(body.input, opts))
     note(request, tokens=sum(len(t) for t in ids))
     return json_response(
         {

@@ -49,11 +49,12 @@ class Batcher:
         max_batch_requests: int,
         model: str,
         priority_batch_tokens: int = 0,
+        bulk_aging_s: float = 0.0,
     ):
         self.backends = compute if isinstance(compute, list) else [compute]
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_requests = max_batch_requests
-        self.policy = PriorityFirst()
+        self.policy = PriorityFirst(bulk_aging_s)
         self.queue: deque[Sequence] = deque()  # bulk lane
         self.priority: deque[Sequence] = deque()
         self.model = model

@@ -7,12 +7,16 @@ The default policy (`PriorityFirst`):
   sequence budget. A batch always takes at least one sequence, however long.
 - Batches are formed at the moment compute is free, never ahead of time: a short request that arrives
   while a batch runs is in the very next batch, not behind one formed (frozen) before it came.
+- Aging: a bulk sequence that has waited longer than `aging_s` goes ahead of the priority lane, in up to
+  half of the batch's tokens (at least one sequence), so bulk work cannot starve behind a stream of short
+  requests, and short requests still get at least the other half of every batch.
 - Lengths are not packed here: the attention kernel groups the sequences of a batch by length itself
   (ops/attention.py), so arrival order can be kept and a request's inputs finish together.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from embed_service.batching.sequence import Sequence
@@ -36,12 +40,34 @@ def fill(
     return tokens, len(batch) >= max_seqs
 
 
-class PriorityFirst:
-    """The priority lane first, then the bulk lane, each oldest first, within the budgets.
+def fill_aged(
+    queue: deque[Sequence], batch: list[Sequence], max_tokens: int, max_seqs: int, aged_before: float
+) -> int:
+    """Move the sequences enqueued before `aged_before` (the bulk lane is oldest first) into the empty
+    `batch`, within half of `max_tokens` (at least one). Returns the tokens taken."""
+    tokens = 0
+    while queue and len(batch) < max_seqs:
+        seq = queue[0]
+        if seq.cancelled:
+            queue.popleft()
+            continue
+        if seq.enqueued_at > aged_before or (batch and 2 * (tokens + len(seq.ids)) > max_tokens):
+            break
+        queue.popleft()
+        batch.append(seq)
+        tokens += len(seq.ids)
+    return tokens
 
-    A batch that carries priority sequences takes bulk work only up to `priority_fill_tokens` in all:
-    a short request must not ride in (and wait for) a full-size bulk batch.
+
+class PriorityFirst:
+    """Aged bulk work, then the priority lane, then the bulk lane, each oldest first, within the budgets.
+
+    A batch that carries priority sequences takes (unaged) bulk work only up to `priority_fill_tokens`
+    in all: a short request must not ride in (and wait for) a full-size bulk batch.
     """
+
+    def __init__(self, aging_s: float = 0.0):
+        self.aging_s = aging_s
 
     def take_lanes(
         self,
@@ -52,9 +78,13 @@ class PriorityFirst:
         priority_fill_tokens: int = 0,
     ) -> list[Sequence]:
         batch: list[Sequence] = []
-        tokens, full = fill(priority, batch, 0, max_tokens, max_seqs)
+        tokens = 0
+        if bulk is not None and self.aging_s > 0 and priority:
+            tokens = fill_aged(bulk, batch, max_tokens, max_seqs, time.perf_counter() - self.aging_s)
+        aged = len(batch)
+        tokens, full = fill(priority, batch, tokens, max_tokens, max_seqs)
         if bulk is not None and not full:
-            if batch and priority_fill_tokens:
+            if len(batch) > aged and priority_fill_tokens:
                 max_tokens = min(max_tokens, max(tokens, priority_fill_tokens))
             fill(bulk, batch, tokens, max_tokens, max_seqs)
         return batch

@@ -22,8 +22,10 @@ from embed_service import metrics, observability
 from embed_service.batching.batcher import Batcher
 from embed_service.batching.sequence import RequestState, Sequence
 from embed_service.config import Settings
-from embed_service.engine.errors import InvalidInputError, NotReadyError, OverloadedError
+from embed_service.engine.admission import Admission, Limits, Permit, check_request, run_piecewise
+from embed_service.engine.errors import InvalidInputError, NotReadyError
 from embed_service.engine.tokenizer import (
+    InputCharsError,
     InputTooLongError,
     InvalidTokenError,
     PromptError,
@@ -89,13 +91,31 @@ def small_enough_to_copy(spec: ModelSpec) -> bool:
 
 INLINE_TOKENIZE_CHARS = 1024
 DEFAULT_BATCH_TOKENS = 4096
+# Characters one call on a tokenization thread reads at most (a single input may pass it): a cancelled
+# request stops between calls, so this bounds the CPU a client that went away still costs (~30 ms).
+TOKENIZE_CHUNK_CHARS = 65536
 
 
-def _small(inputs: Inputs) -> bool:
-    """At most 4 texts of INLINE_TOKENIZE_CHARS characters in all (token-id input: tokenized already)."""
+def _small(inputs: Inputs, prompt: str | None) -> bool:
+    """At most 4 texts of INLINE_TOKENIZE_CHARS characters in all, prompts included (token-id input:
+    tokenized already)."""
     if len(inputs) > 4 or not inputs or not isinstance(inputs[0], str):
         return False
-    return sum(len(text) for text in inputs) <= INLINE_TOKENIZE_CHARS
+    return sum(len(text) for text in inputs) + len(inputs) * len(prompt or "") <= INLINE_TOKENIZE_CHARS
+
+
+def _chunk(inputs: Inputs, start: int, most: int, prompt: str | None, limit: int) -> int:
+    """How many inputs from `start` (1..most) one tokenization call takes: TOKENIZE_CHUNK_CHARS at most."""
+    if not isinstance(inputs[start], str):
+        return most
+    extra = len(prompt or "")
+    k, chars = 0, 0
+    while k < most:
+        chars += min(len(inputs[start + k]) + extra, limit)
+        if k and chars > TOKENIZE_CHUNK_CHARS:
+            break
+        k += 1
+    return k
 
 
 class Engine:
@@ -142,6 +162,16 @@ class Engine:
         self.failure: str | None = None
         self.in_flight = 0
         self._in_flight_gauge = metrics.INPUTS_IN_FLIGHT.labels(self.name)
+        self.limits = Limits(
+            settings.max_client_batch_size, settings.max_input_chars, settings.max_request_chars
+        )
+        self.admission = Admission(
+            settings.max_concurrent_requests,
+            settings.interactive_reserved_inputs,
+            settings.interactive_max_inputs,
+            self.name,
+            self._count_in_flight,
+        )
         metrics.declare_model(self.name)
         self.group: WorkerGroup | None = None  # replica 0
         self.groups: list[WorkerGroup] = []
@@ -197,6 +227,7 @@ class Engine:
             priority_batch_tokens=self.settings.priority_batch_tokens
             if self.settings.priority_max_tokens
             else 0,
+            bulk_aging_s=self.settings.bulk_aging_s,
         )
         self.batcher.start()
         if self.state == "loading":
@@ -260,43 +291,100 @@ class Engine:
         enabled = self.settings.auto_truncate if opts.truncate is None else opts.truncate
         return Truncation(enabled, self.spec.max_input_length, opts.truncation_direction)
 
-    def _token_ids(self, inputs: Inputs, rule: Truncation, prompt: str | None) -> list[list[int]]:
-        """Runs on a tokenization thread."""
+    def _count_in_flight(self, n: int) -> None:
+        """The admission's count, as the drain and the metrics read it."""
+        self.in_flight = n
+        self._in_flight_gauge.set(n)
+        if n:
+            self._idle.clear()
+        else:
+            self._idle.set()
+
+    def _prompt(self, inputs: Inputs, opts: EmbedOptions) -> str | None:
+        try:
+            return self.tokenizer.prompt_for(inputs, opts.prompt_name, opts.prompt)
+        except PromptError as exc:
+            raise InvalidInputError(str(exc), param=exc.param) from None
+
+    def _admit(self, inputs: Inputs, prompt: str | None) -> Permit:
+        """The one admission of every route: budgets (400), then capacity (429), before any tokenization."""
+        check_request(inputs, prompt, self.limits)
+        return self.admission.admit(len(inputs))
+
+    def _token_ids(
+        self, inputs: Inputs, rule: Truncation, prompt: str | None, first: int = 0
+    ) -> list[list[int]]:
+        """Runs on a tokenization thread (or inline for a few short texts). `first`: the index of inputs[0]
+        in its request, for messages."""
         if inputs and isinstance(inputs[0], str):
-            seqs = self.tokenizer.encode(inputs, prompt)
+            self.tokenizer.check_prompt(prompt, rule.max_length)
+            seqs = self.tokenizer.encode(inputs, prompt, rule, self.settings.max_input_chars, first)
         else:
             seqs = inputs  # type: ignore[assignment]
             self.tokenizer.check_ids(seqs)
-        return self.tokenizer.truncate(seqs, rule, prompt)
-
-    async def tokenize(self, inputs: Inputs, opts: EmbedOptions | None = None) -> list[list[int]]:
-        """The token ids embed() would run, after prompting and truncation."""
-        opts = opts or EmbedOptions()
-        rule = self.truncation(opts)
         try:
-            prompt = self.tokenizer.prompt_for(inputs, opts.prompt_name, opts.prompt)
-        except PromptError as exc:
-            raise InvalidInputError(str(exc), param=exc.param) from None
-        loop = asyncio.get_running_loop()
-        start = time.perf_counter()
+            return self.tokenizer.truncate(seqs, rule, prompt)
+        except InputTooLongError as exc:
+            raise InputTooLongError(exc.index + first, exc.length, exc.limit) from None
+
+    async def _tokenize_piece(
+        self, inputs: Inputs, start: int, k: int, rule: Truncation, prompt: str | None
+    ) -> list[list[int]]:
+        """Token ids of inputs[start:start+k], on a tokenization thread call by call (TOKENIZE_CHUNK_CHARS
+        each): cancelling the caller stops the work at the next call."""
+        piece = inputs[start : start + k]
+        t0 = time.perf_counter()
         with observability.span("tokenize") as span:
-            try:
-                if _small(inputs):
-                    # A few short texts tokenize in tens of microseconds: less than the hop to a thread and
-                    # back, which online traffic (one query per request) would pay on every request.
-                    ids = self._token_ids(inputs, rule, prompt)
-                else:
-                    ids = await loop.run_in_executor(
-                        self._tokenize_pool, self._token_ids, inputs, rule, prompt
-                    )
-            except InputTooLongError as exc:
-                raise InvalidInputError(str(exc)) from None
-            except InvalidTokenError as exc:
-                raise InvalidInputError(str(exc)) from None
+            ids = await self._tokenize_calls(inputs, piece, start, k, rule, prompt)
             if span is not None:
                 span.set_attributes({"embed.inputs": len(ids), "embed.tokens": sum(map(len, ids))})
-        metrics.TOKENIZATION_DURATION.labels(self.name).observe(time.perf_counter() - start)
+        metrics.TOKENIZATION_DURATION.labels(self.name).observe(time.perf_counter() - t0)
         return ids
+
+    async def _tokenize_calls(
+        self, inputs: Inputs, piece: Inputs, start: int, k: int, rule: Truncation, prompt: str | None
+    ) -> list[list[int]]:
+        try:
+            if _small(piece, prompt):
+                # A few short texts tokenize in tens of microseconds: less than the hop to a thread and
+                # back, which online traffic (one query per request) would pay on every request.
+                ids = self._token_ids(piece, rule, prompt, start)
+            else:
+                loop = asyncio.get_running_loop()
+                ids, done = [], 0
+                while done < k:
+                    step = _chunk(inputs, start + done, k - done, prompt, self.settings.max_input_chars)
+                    ids += await loop.run_in_executor(
+                        self._tokenize_pool,
+                        self._token_ids,
+                        inputs[start + done : start + done + step],
+                        rule,
+                        prompt,
+                        start + done,
+                    )
+                    done += step
+        except (InputTooLongError, InvalidTokenError, InputCharsError) as exc:
+            raise InvalidInputError(str(exc)) from None
+        except PromptError as exc:
+            raise InvalidInputError(str(exc), param=exc.param) from None
+        return ids
+
+    async def tokenize(self, inputs: Inputs, opts: EmbedOptions | None = None) -> list[list[int]]:
+        """The token ids embed() would run, after prompting and truncation; admitted like embed()."""
+        opts = opts or EmbedOptions()
+        rule = self.truncation(opts)
+        prompt = self._prompt(inputs, opts)
+        permit = self._admit(inputs, prompt)
+        try:
+            ids: list[list[int]] = []
+            while len(ids) < len(inputs):
+                k = max(1, permit.free())
+                permit.take(k)
+                ids += await self._tokenize_piece(inputs, len(ids), k, rule, prompt)
+                permit.done(k)
+            return ids
+        finally:
+            permit.close()
 
     async def embed(self, inputs: Inputs, opts: EmbedOptions | None = None) -> EmbedResult:
         opts = opts or EmbedOptions()
@@ -305,44 +393,42 @@ class Engine:
             raise InvalidInputError(
                 f"dimensions must be in 1..{self.spec.dimension}, got {opts.dimensions}", param="dimensions"
             )
-        n = len(inputs)
-        limit = self.settings.max_concurrent_requests
-        # A request larger than the limit on its own is admitted when nothing else is in flight,
-        # so it is served rather than refused forever.
-        if self.in_flight and self.in_flight + n > limit:
-            raise OverloadedError(
-                f"model {self.name} is at capacity ({self.in_flight} of {limit} inputs "
-                f"in progress); retry shortly"
-            )
-        self.in_flight += n
-        self._in_flight_gauge.set(self.in_flight)
-        self._idle.clear()
-        try:
-            seqs_ids = await self.tokenize(inputs, opts)
+        rule = self.truncation(opts)
+        prompt = self._prompt(inputs, opts)
+        permit = self._admit(inputs, prompt)
+        state = RequestState()
+        loop = asyncio.get_running_loop()
+        tokens = 0
+        submitted: list[Sequence] = []  # for the request's trace spans
+
+        async def start(first: int, k: int) -> list[asyncio.Future]:
+            nonlocal tokens
+            seqs_ids = await self._tokenize_piece(inputs, first, k, rule, prompt)
             if self.state == "failed":  # a drain still finishes what it admitted; a dead worker cannot
                 self._check_ready()
             assert self.batcher is not None
-            loop = asyncio.get_running_loop()
-            state = RequestState()
             seqs = [Sequence(ids, loop.create_future(), state) for ids in seqs_ids]
-            tokens = sum(len(ids) for ids in seqs_ids)
-            # Small requests (interactive traffic) take the priority lane; see batching/policy.py.
-            self.batcher.submit(seqs, priority=tokens <= self.settings.priority_max_tokens)
-            try:
-                results = await asyncio.gather(*(s.future for s in seqs))
-            except BaseException:
-                state.cancelled = True  # the client went away, or a batch failed: drop the rest
-                raise
-            observability.trace_batches(seqs)
+            submitted.extend(seqs)
+            tokens += sum(len(ids) for ids in seqs_ids)
+            # Interactive requests (admitted into the reserve) of few tokens take the priority lane;
+            # see engine/admission.py and batching/policy.py.
+            self.batcher.submit(
+                seqs, priority=permit.interactive and tokens <= self.settings.priority_max_tokens
+            )
+            return [s.future for s in seqs]
+
+        try:
+            results = await run_piecewise(permit, len(inputs), start)
+            observability.trace_batches(submitted)
             normalize = self.spec.normalize if opts.normalize is None else opts.normalize
             vectors = finish(np.stack([r.dense for r in results]), opts.dimensions, normalize)
             metrics.INPUT_TOKENS.labels(self.name).inc(tokens)
             return EmbedResult(vectors, tokens)
+        except BaseException:
+            state.cancelled = True  # the client went away, or a batch failed: drop the rest
+            raise
         finally:
-            self.in_flight -= n
-            self._in_flight_gauge.set(self.in_flight)
-            if self.in_flight == 0:
-                self._idle.set()
+            permit.close()
 
     def info(self) -> dict[str, Any]:
         s = self.settings
@@ -370,6 +456,11 @@ class Engine:
             "data_parallel_size": self.replicas,
             "max_client_batch_size": s.max_client_batch_size,
             "max_request_bytes": s.max_request_bytes,
+            "interactive_reserved_inputs": self.admission.reserved,
+            "interactive_max_inputs": s.interactive_max_inputs,
+            "max_input_chars": s.max_input_chars,
+            "max_request_chars": s.max_request_chars,
+            "bulk_aging_s": s.bulk_aging_s,
             "state": self.state,
             "parameter_bytes_per_rank": [r["parameter_bytes"] for r in self.group.rank_info]
             if self.group

@@ -9,12 +9,27 @@ Two things the template alone does not do, done here as the model's documented u
   every text. transformers 5 ignores that key; the EOS is appended unless the template already ends with it,
   and truncation keeps it.
 - A prompt (sentence-transformers' ``prompts``) is prepended to each text before tokenization; left
-  truncation keeps it, as it keeps the leading special tokens.
+  truncation keeps it, as it keeps the leading special tokens. A prompt that leaves no room for a token of
+  text is refused.
+
+Bounded by characters before tokenizing. A text longer than the max input length can use is cut before it
+reaches the tokenizer, so memory and CPU do not grow with what a client sent. The cut must not change the
+result, and a plain characters-per-token bound cannot promise that alone: whitespace, control characters
+and stripped accents make no token at all. So the cut is checked: the tokenizers' models encode each
+pre-token (word) on its own, and the standard normalizers and pre-tokenizers decide a word from its
+neighbours only, so every token of a window of the text is the full text's token except those of the
+window's last two words (and, for a window taken from the end, its first two). A window of
+``(tokens needed + 8) * longest token string`` characters (a token covers at most that many characters
+of the input: ``##`` and byte-level symbols only make token strings longer) usually holds enough of those
+tokens; when not (much whitespace), it grows four times at a time up to ``max_chars``; a text whose cut
+cannot be decided within that is refused, never guessed.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,14 +39,25 @@ from embed_service.models.spec import ModelSpec
 class InputTooLongError(ValueError):
     def __init__(self, index: int, length: int, limit: int):
         super().__init__(
-            f"input {index} has {length} tokens, more than the maximum of {limit}; "
+            f"input {index} has more than the maximum of {limit} tokens (at least {length}); "
             "shorten it or send truncate=true"
         )
-        self.index = index
+        self.index, self.length, self.limit = index, length, limit
 
 
 class InvalidTokenError(ValueError):
     pass
+
+
+class InputCharsError(ValueError):
+    """An input whose truncation cannot be decided within the characters the tokenizer may read."""
+
+    def __init__(self, index: int, chars: int, limit: int, why: str):
+        super().__init__(
+            f"input {index} has {chars} characters; {why} within the first {limit} characters "
+            "(--max-input-chars); shorten it (or strip its whitespace)"
+        )
+        self.index = index
 
 
 class PromptError(ValueError):
@@ -58,6 +84,11 @@ class Truncation:
     direction: str = "right"
 
 
+PROMPT_CACHE_CHARS = 1 << 20  # characters of prompts whose token counts are kept (client prompts)
+PROMPT_CACHE_ONE = 1 << 14  # a longer prompt is measured every time: one request must not fill the cache
+GROWTH = 4  # a window that does not decide the cut grows this many times over
+
+
 class Tokenizer:
     def __init__(self, spec: ModelSpec):
         from transformers import AutoTokenizer
@@ -68,7 +99,7 @@ class Tokenizer:
         self.backend = hf.backend_tokenizer
         self.backend.no_truncation()
         self.backend.no_padding()
-        self.vocab_size = max(len(hf), int(spec.config.get("vocab_size", 0)))
+        self.vocab_size = spec.check_tokenizer_size(len(hf))
         probe = self.backend.encode("a", add_special_tokens=True)
         content = [i for i, special in enumerate(probe.special_tokens_mask) if not special]
         # How many template tokens stand before and after the content ([CLS] ... [SEP] -> 1, 1).
@@ -80,9 +111,16 @@ class Tokenizer:
         if asks_for_eos(spec.path) and eos is not None and probe.ids[-1:] != [eos]:
             self.eos_appended = int(eos)
             self.suffix_len += 1
+        # The template's own ids, to rebuild a sequence around content tokens taken from a window.
+        self.template_head = list(probe.ids[: self.prefix_len])
+        self.template_tail = list(probe.ids[content[-1] + 1 :]) if content else []
         self.prompts = spec.prompts
         self.default_prompt_name = spec.default_prompt_name
-        self._prompt_lengths: dict[str, int] = {}
+        # Characters one token covers at most (see the module docstring).
+        self.token_chars = max([len(t) for t in self.backend.get_vocab(with_added_tokens=True)] or [1])
+        self._prompt_lengths: OrderedDict[str, int] = OrderedDict()
+        self._prompt_chars = 0
+        self._prompt_lock = threading.Lock()  # tokenization threads and the event loop share the cache
 
     def prompt_for(
         self, inputs: list[str] | list[list[int]], prompt_name: str | None, prompt: str | None
@@ -113,21 +151,145 @@ class Tokenizer:
 
     def prompt_length(self, prompt: str) -> int:
         """Tokens the prompt takes at the start of the content (tokenized alone, as sentence-transformers
-        measures it)."""
-        if prompt not in self._prompt_lengths:
-            if len(self._prompt_lengths) > 1024:  # raw prompts come from clients: keep the cache bounded
-                self._prompt_lengths.clear()
-            self._prompt_lengths[prompt] = len(self.backend.encode(prompt, add_special_tokens=False).ids)
-        return self._prompt_lengths[prompt]
+        measures it). Cached by characters: raw prompts come from clients."""
+        with self._prompt_lock:
+            known = self._prompt_lengths.get(prompt)
+            if known is not None:
+                self._prompt_lengths.move_to_end(prompt)
+                return known
+        length = len(self.backend.encode(prompt, add_special_tokens=False).ids)
+        if len(prompt) <= PROMPT_CACHE_ONE:
+            with self._prompt_lock:
+                if prompt not in self._prompt_lengths:
+                    self._prompt_lengths[prompt] = length
+                    self._prompt_chars += len(prompt)
+                while self._prompt_chars > PROMPT_CACHE_CHARS:
+                    old, _ = self._prompt_lengths.popitem(last=False)
+                    self._prompt_chars -= len(old)
+        return length
 
-    def encode(self, texts: list[str], prompt: str | None = None) -> list[list[int]]:
-        if prompt:
-            texts = [prompt + t for t in texts]
-        seqs = [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=True)]
+    def room(self, max_length: int) -> int:
+        """Content tokens (prompt and text) a sequence of `max_length` holds besides the special tokens."""
+        return max_length - self.prefix_len - self.suffix_len
+
+    def check_prompt(self, prompt: str | None, max_length: int) -> None:
+        """Refuse a prompt that leaves no room for one token of text: every input would embed the same."""
+        if not prompt:
+            return
+        length = self.prompt_length(prompt)
+        if length >= self.room(max_length):
+            raise PromptError(
+                f"the prompt takes {length} tokens, and with the {self.prefix_len + self.suffix_len} special "
+                f"tokens leaves no room for text within the max input length of {max_length} tokens; "
+                "send a shorter prompt",
+                "prompt",
+            )
+
+    def window(self, tokens: int) -> int:
+        """Characters that usually hold `tokens` tokens whose cut is decided (see the module docstring)."""
+        return (tokens + 8) * self.token_chars
+
+    def encode(
+        self,
+        texts: list[str],
+        prompt: str | None = None,
+        rule: Truncation | None = None,
+        max_chars: int | None = None,
+        first_index: int = 0,
+    ) -> list[list[int]]:
+        """Token ids of `prompt + text` for each text, special tokens included, not yet truncated.
+
+        With a `rule`, a text longer than the rule can use is cut first (the result, once truncated by
+        the rule, is the same as for the whole text); `max_chars`: what the tokenizer may read of one
+        input, the prompt included.
+        """
+        prompt = prompt or ""
+        out: list[list[int] | None] = [None] * len(texts)
+        direct: list[int] = []
+        if rule is None:
+            direct = list(range(len(texts)))
+        else:
+            room = self.room(rule.max_length)
+            head = self.prompt_length(prompt) if prompt else 0
+            for i, text in enumerate(texts):
+                # Left truncation reads the start (for the prompt's tokens) and the end of the text.
+                reach = self.window(room + 1) * (2 if rule.direction == "left" else 1)
+                if len(text) <= reach:
+                    direct.append(i)
+                else:
+                    out[i] = self._long(text, prompt, rule, room, head, max_chars, first_index + i)
+        if direct:
+            # Short texts: one batch call (Rust, releases the GIL). The prompt is joined only to texts
+            # already known to be short: its copies are bounded by the request's character budget.
+            encoded = self.backend.encode_batch([prompt + texts[i] for i in direct], add_special_tokens=True)
+            for i, e in zip(direct, encoded):
+                out[i] = self._with_eos(e.ids)
+        return out  # type: ignore[return-value]
+
+    def _with_eos(self, ids: list[int]) -> list[int]:
         if self.eos_appended is not None:
-            for ids in seqs:
-                ids.append(self.eos_appended)
-        return seqs
+            ids.append(self.eos_appended)
+        return ids
+
+    def _long(
+        self,
+        text: str,
+        prompt: str,
+        rule: Truncation,
+        room: int,
+        head: int,
+        max_chars: int | None,
+        index: int,
+    ) -> list[int]:
+        """A sequence for a text longer than the rule can use, from windows of it: more content tokens
+        than `room`, so that truncation cuts it exactly as it would cut the whole text's sequence."""
+        limit = max(1, (max_chars or len(prompt) + len(text)) - len(prompt))
+        try:
+            if rule.direction == "right" or not rule.enabled:
+                content = self._stable_head(text, prompt, room + 1, limit, index)
+            else:
+                # Left: the prompt's tokens from the start of the content, the rest from the end of the
+                # text. Each side reads at most half the text, so the two windows never overlap.
+                half = max(1, min(limit, len(text)) // 2)
+                lead = self._stable_head(text, prompt, head, half, index)[:head] if head else []
+                content = lead + self._stable_tail(text, room - head + 1, half, index)
+        except InputCharsError:
+            if len(text) > limit:
+                raise
+            # Windows did not decide it (much whitespace), but the whole text may be read: read it.
+            return self._with_eos(self.backend.encode(prompt + text, add_special_tokens=True).ids)
+        return self._with_eos(self.template_head + content + self.template_tail)
+
+    def _stable_head(self, text: str, prompt: str, need: int, limit: int, index: int) -> list[int]:
+        """Content ids from the start of `prompt + text`: at least `need` of them, each the whole text's
+        own (or all of them, when the whole text fits within `limit`)."""
+        width = self.window(need)
+        while True:
+            if width >= len(text) and len(text) <= limit:
+                return self.backend.encode(prompt + text, add_special_tokens=False).ids
+            width = min(width, limit)
+            e = self.backend.encode(prompt + text[:width], add_special_tokens=False)
+            words = [w for w in e.word_ids if w is not None]
+            stable = sum(1 for w in words if w < words[-1] - 1) if words else 0
+            if stable >= need:
+                return e.ids[:stable]
+            if width >= limit:
+                raise InputCharsError(index, len(text), limit, f"it does not make {need} tokens")
+            width *= GROWTH
+
+    def _stable_tail(self, text: str, need: int, limit: int, index: int) -> list[int]:
+        """Content ids of the end of `text` (no prompt): at least `need` of them, each the whole text's own."""
+        width = self.window(need)
+        while True:
+            width = min(width, limit)
+            e = self.backend.encode(text[len(text) - width :], add_special_tokens=False)
+            words = [w for w in e.word_ids if w is not None]
+            stable = sum(1 for w in words if w > words[0] + 1) if words else 0
+            if stable >= need:
+                return e.ids[len(e.ids) - stable :]
+            if width >= limit:
+                raise InputCharsError(index, len(text), limit, f"its end does not make {need} tokens")
+            width *= GROWTH
 
     def check_ids(self, seqs: list[list[int]]) -> None:
         for i, seq in enumerate(seqs):

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from embed_service.layers.linear import ReplicatedLinear, default_weight_loader
+from embed_service.models.checkpoint import weight_files
 from embed_service.models.spec import DenseSpec, ModelSpec
 from embed_service.ops.batch import FlatBatch, padded_tokens
 from embed_service.ops.pooling import POOLERS
@@ -21,20 +22,15 @@ from embed_service.ops.pooling import POOLERS
 
 def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of the safetensors files in a folder (else pytorch_model*.bin)."""
-    files = sorted(path.glob("*.safetensors"))
-    if files:
-        from safetensors import safe_open
+    for file in weight_files(path):
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
 
-        for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     yield name, f.get_tensor(name)
-        return
-    bins = sorted(path.glob("pytorch_model*.bin"))
-    if not bins:
-        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {path}")
-    for file in bins:
-        yield from torch.load(file, map_location="cpu", weights_only=True).items()
+        else:
+            yield from torch.load(file, map_location="cpu", weights_only=True).items()
 
 
 def load_weights(model: nn.Module, path: Path) -> None:
@@ -44,6 +40,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
     ignored: tuple[str, ...] = getattr(model, "ignored_weights", ())
     ignored_fragments: tuple[str, ...] = getattr(model, "ignored_fragments", ())
     loaded: set[str] = set()
+    shards_loaded: dict[str, set[object]] = {}  # a packed parameter -> the shards the checkpoint filled
     for name, tensor in iter_checkpoint(path):
         for prefix in prefixes:
             if name.startswith(prefix) and name[len(prefix) :].split(".")[0] in dict(model.named_children()):
@@ -64,6 +61,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
             loader(param, tensor)
         else:
             loader(param, tensor, shard)
+            shards_loaded.setdefault(name, set()).add(shard)
         loaded.add(name)
     tied = getattr(model, "tied_weights", {})
     for name, source in tied.items():
@@ -71,6 +69,11 @@ def load_weights(model: nn.Module, path: Path) -> None:
             params[name].data.copy_(params[source].data)
             loaded.add(name)
     missing = sorted(set(params) - loaded)
+    # A packed parameter (q, k and v in one) with a shard missing would keep that shard uninitialized.
+    for name, got in shards_loaded.items():
+        for fragment, (target, shard_id) in mapping.items():
+            if target in name and shard_id not in got:
+                missing.append(name.replace(target, fragment))
     if missing:
         raise ValueError(
             f"{path}: weights missing from the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}"

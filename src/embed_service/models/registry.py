@@ -6,6 +6,7 @@ Only import paths live here, so the HTTP process can detect a model without impo
 from __future__ import annotations
 
 import importlib
+import json
 from dataclasses import dataclass
 
 
@@ -26,7 +27,15 @@ class Family:
     """RoBERTa style: position 0 sits at padding index + 1 in the position table."""
 
     def position_offset(self, config: dict) -> int:
-        return int(config.get("pad_token_id", 1)) + 1 if self.positions_after_padding else 0
+        if not self.positions_after_padding:
+            return 0
+        pad = config.get("pad_token_id", 1)  # RoBERTa's default
+        if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
+            raise ValueError(
+                f"config.json: pad_token_id is {json.dumps(pad)}; {self.cls} places position 0 after the padding "
+                "index, so it must be a token id"
+            )
+        return pad + 1
 
     def load_class(self) -> type:
         return getattr(importlib.import_module(f"embed_service.models.{self.module}"), self.cls)

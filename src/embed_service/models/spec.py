@@ -71,6 +71,25 @@ class ModelSpec:
         return int(self.config["hidden_size"])
 
     @property
+    def vocab_size(self) -> int | None:
+        """Rows of the word embedding table: every token id must be below it. (A served folder always has
+        it: checkpoint.check_model_files; None only for the JSON-only folders of tokenizer tests.)"""
+        rows = self.config.get("vocab_size")
+        return int(rows) if rows is not None else None
+
+    def check_tokenizer_size(self, tokens: int) -> int:
+        """The bound on token ids (the embedding table's rows), once the tokenizer's `tokens` ids are known
+        to fit in it."""
+        if self.vocab_size is None:
+            return tokens
+        if tokens > self.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {tokens} tokens but the embedding table only {self.vocab_size} rows "
+                "(vocab_size in config.json): the tokenizer does not belong to these weights"
+            )
+        return self.vocab_size
+
+    @property
     def position_offset(self) -> int:
         return self.family.position_offset(self.config)
 
@@ -88,9 +107,53 @@ class ModelSpec:
         return self.family.causal and not bidirectional
 
 
+# The config.json keys every family's model code reads, as positive integers.
+_REQUIRED_CONFIG = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "intermediate_size",
+    "vocab_size",
+)
+
+
 def _read_json(path: Path) -> Any:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text") from None
+
+
+def positive_int(cfg: dict[str, Any], key: str, file: Path) -> int:
+    value = cfg.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        what = "missing" if value is None else f"{value!r}, not a positive integer"
+        raise ValueError(f"{file}: {key} is {what}")
+    return value
+
+
+def _dense(mpath: Path) -> DenseSpec:
+    """A sentence-transformers Dense module from its config.json."""
+    file = mpath / "config.json"
+    dcfg = _read_json(file)
+    if not isinstance(dcfg, dict):
+        raise ValueError(f"{file}: not a JSON object")
+    act = dcfg.get("activation_function", "torch.nn.modules.activation.Tanh")
+    if act not in _ST_ACTIVATIONS:
+        raise ValueError(f"{mpath}: unsupported Dense activation {act}")
+    bias = dcfg.get("bias", True)
+    if not isinstance(bias, bool):
+        raise ValueError(f"{file}: bias is {bias!r}, not true or false")
+    return DenseSpec(
+        mpath,
+        positive_int(dcfg, "in_features", file),
+        positive_int(dcfg, "out_features", file),
+        bias,
+        _ST_ACTIVATIONS[act],
+    )
 
 
 def _st_modules(path: Path) -> list[dict[str, Any]]:
@@ -103,6 +166,8 @@ def load_spec(path: str | Path, max_input_length: int | None = None) -> ModelSpe
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
     config = _read_json(path / "config.json")
+    if not isinstance(config, dict):
+        raise ValueError(f"{path / 'config.json'}: not a JSON object")
     architecture, family = resolve_family(config)
     pooling, normalize = family.default_pooling, family.default_normalize
     dense: list[DenseSpec] = []
@@ -117,21 +182,14 @@ def load_spec(path: str | Path, max_input_length: int | None = None) -> ModelSpe
             elif kind == "Normalize":
                 normalize = True
             elif kind == "Dense":
-                dcfg = _read_json(mpath / "config.json")
-                act = dcfg.get("activation_function", "torch.nn.modules.activation.Tanh")
-                if act not in _ST_ACTIVATIONS:
-                    raise ValueError(f"{mpath}: unsupported Dense activation {act}")
-                dense.append(
-                    DenseSpec(
-                        mpath,
-                        dcfg["in_features"],
-                        dcfg["out_features"],
-                        dcfg.get("bias", True),
-                        _ST_ACTIVATIONS[act],
-                    )
-                )
+                dense.append(_dense(mpath))
             elif kind not in ("Transformer", "Pooling"):
                 raise ValueError(f"unsupported sentence-transformers module {m.get('type')}")
+    width = int(config["hidden_size"])
+    for d in dense:  # each Dense takes what the one before gives
+        if d.in_features != width:
+            raise ValueError(f"{d.path}: in_features is {d.in_features}, but its input has {width} features")
+        width = d.out_features
     position_limit = int(config.get("max_position_embeddings", 1 << 20)) - family.position_offset(config)
     prompts, default_prompt_name = _prompts(path)
     spec = ModelSpec(

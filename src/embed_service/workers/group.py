@@ -102,8 +102,10 @@ class WorkerGroup:
                     elif msg[0] == "ready":
                         info[rank] = msg[1]
                         del pending[rank]
-                    elif msg[0] == "fatal":
-                        raise WorkerDiedError(f"worker {rank} failed while loading:\n{msg[1]}")
+                    elif msg[0] == "fatal":  # its traceback's last line says what; the rest at debug level
+                        log.debug("worker %d failed while loading:\n%s", rank, msg[1])
+                        last = msg[1].strip().splitlines()[-1] if msg[1].strip() else "no reason given"
+                        raise WorkerDiedError(f"worker {rank} failed while loading: {last}")
                 else:  # a worker exited, ready or not: the others cannot finish
                     rank = sentinels[obj]
                     if rank in pending and pending[rank].poll():
