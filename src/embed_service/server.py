@@ -18,6 +18,7 @@ import uvicorn
 from embed_service.api.app import create_app
 from embed_service.config import DEFAULT_MODEL_NAME, Settings
 from embed_service.engine.engine import Engine
+from embed_service.model_source import ModelSourceError, resolve_model
 from embed_service.models.spec import load_spec
 
 log = logging.getLogger("embed_service")
@@ -39,11 +40,11 @@ def default_model_path() -> Path:
 
 def build_engine(settings: Settings) -> Engine:
     if settings.model:
-        path = Path(settings.model).expanduser()
-        if not path.is_dir():
-            raise SystemExit(f"--model {settings.model}: no such directory")
-        # The name as the user wrote it (a symlink's own name), else the resolved folder's ("." -> its name).
-        names = settings.served_model_name or [path.name or path.resolve().name]
+        try:  # a model folder, a Hugging Face cache folder or a repo id (model_source.py)
+            source = resolve_model(settings.model, settings.revision)
+        except ModelSourceError as exc:
+            raise SystemExit(str(exc)) from None
+        path, names = source.path, settings.served_model_name or [source.name]
     else:
         path = default_model_path()
         names = settings.served_model_name or [DEFAULT_MODEL_NAME]
