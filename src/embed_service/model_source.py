@@ -38,6 +38,7 @@ class ModelSourceError(ValueError):
 
 def resolve_model(model: str, revision: str | None = None, cache_dir: Path | None = None) -> ModelSource:
     """``--model`` (and ``--revision``) to a local folder; ``cache_dir`` overrides ``$HF_HUB_CACHE``."""
+    revision = revision or None  # EMBED_REVISION="" (an image built without a revision) means main
     path = Path(model).expanduser()
     if path.is_dir():
         if path.name.startswith(CACHE_PREFIX) and (path / "snapshots").is_dir():
@@ -118,3 +119,27 @@ def _from_hub(repo_id: str, revision: str | None, cache_dir: Path | None) -> Pat
         raise ModelSourceError(
             f"--model {repo_id}: not in the Hugging Face cache at {where}, and downloading it failed: {exc}"
         ) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m embed_service.model_source MODEL [REVISION]``: fetch into the cache, print the folder.
+
+    The Dockerfile bakes a model into an image with it, by the same resolution the server does at start-up.
+    """
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if not 1 <= len(args) <= 2:
+        print("usage: python -m embed_service.model_source MODEL [REVISION]", file=sys.stderr)
+        return 2
+    try:
+        source = resolve_model(*args)
+    except ModelSourceError as exc:
+        print(f"embed-service: {exc}", file=sys.stderr)
+        return 1
+    print(source.path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
