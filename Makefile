@@ -27,8 +27,8 @@ serve: $(VENV)/.installed
 	$(BIN)/embed-service serve $(ARGS)
 
 lint: $(VENV)/.installed-dev
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks scripts
+	$(BIN)/ruff format --check src tests benchmarks scripts
 	$(BIN)/shellcheck scripts/install.sh .ci/run
 
 typecheck: $(VENV)/.installed-dev

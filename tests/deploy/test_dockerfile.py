@@ -10,7 +10,6 @@ import fnmatch
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,18 +17,11 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.hf_cache import lay_out_cache
+from tests.deploy.tools import DOCKERFILE as TEXT
+from tests.deploy.tools import ROOT, tool
 from tests.server import ServerProcess, free_port
 
-ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
-TEXT = DOCKERFILE.read_text()
-
-
-def tool(name: str) -> str:
-    # Installed by the dev extra into the interpreter's own environment.
-    found = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
-    assert found, f"{name} is missing: it comes with the dev extra (pip install -e '.[dev]')"
-    return found
 
 
 def instructions() -> list[tuple[str, str]]:
