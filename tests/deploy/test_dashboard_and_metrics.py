@@ -14,7 +14,6 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.deploy.tools import ROOT, tool
-from tests.server import ServerProcess
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "embed-service.json"
 # Series that come from elsewhere: Prometheus itself (up) and kube-state-metrics (kube_*).
@@ -58,14 +57,11 @@ def metric_names(expr: str) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def exported() -> set[str]:
+def exported(live_server) -> set[str]:
     """Sample names a live server (the packaged default model) exports, after one request."""
-    with ServerProcess() as server:
-        r = httpx.post(
-            server.url + "/v1/embeddings", json={"input": ["a metric check"], "model": "all-MiniLM-L6-v2"}
-        )
-        assert r.status_code == 200
-        text = httpx.get(server.url + "/metrics", timeout=10).text
+    body = {"input": ["a metric check"], "model": "all-MiniLM-L6-v2"}
+    assert httpx.post(live_server.url + "/v1/embeddings", json=body, timeout=60).status_code == 200
+    text = httpx.get(live_server.url + "/metrics", timeout=10).text
     return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
 
 

@@ -19,7 +19,7 @@ import pytest
 from tests.deploy.hf_cache import lay_out_cache
 from tests.deploy.tools import DOCKERFILE as TEXT
 from tests.deploy.tools import ROOT, tool
-from tests.server import ServerProcess, free_port
+from tests.server import free_port
 
 DOCKERFILE = ROOT / "Dockerfile"
 
@@ -106,12 +106,11 @@ def healthcheck_command() -> list[str]:
     return json.loads(args[args.index("CMD") + 3 :].strip())
 
 
-def test_health_check_passes_on_a_ready_server_and_fails_without_one():
+def test_health_check_passes_on_a_ready_server_and_fails_without_one(live_server):
     cmd = healthcheck_command()
     assert cmd[0] == "python"
     cmd = [sys.executable, *cmd[1:]]
-    with ServerProcess() as server:
-        ok = subprocess.run(cmd, env={"EMBED_PORT": str(server.port)}, capture_output=True, timeout=30)
+    ok = subprocess.run(cmd, env={"EMBED_PORT": str(live_server.port)}, capture_output=True, timeout=30)
     assert ok.returncode == 0, ok.stderr
     down = subprocess.run(cmd, env={"EMBED_PORT": str(free_port())}, capture_output=True, timeout=30)
     assert down.returncode != 0
