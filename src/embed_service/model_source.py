@@ -100,8 +100,8 @@ def _from_hub(repo_id: str, revision: str | None, cache_dir: Path | None) -> Pat
         pass
     if constants.HF_HUB_OFFLINE:
         raise ModelSourceError(
-            f"--model {repo_id}: not in the Hugging Face cache at {where} (revision {revision or 'main'}), "
-            "and HF_HUB_OFFLINE is set: download it where the hub is reachable "
+            f"--model {repo_id}: no such directory, and not in the Hugging Face cache at {where} "
+            f"(revision {revision or 'main'}); HF_HUB_OFFLINE is set: download it where the hub is reachable "
             f"(`hf download {repo_id}`) or mount a cache with it"
         )
     try:
@@ -117,7 +117,8 @@ def _from_hub(repo_id: str, revision: str | None, cache_dir: Path | None) -> Pat
         return snapshot
     except Exception as exc:  # the hub's many error kinds (unreachable, gated, not found) read the same here
         raise ModelSourceError(
-            f"--model {repo_id}: not in the Hugging Face cache at {where}, and downloading it failed: {exc}"
+            f"--model {repo_id}: no such directory, not in the Hugging Face cache at {where}, and "
+            f"downloading it failed: {exc}"
         ) from None
 
 

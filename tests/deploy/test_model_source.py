@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -10,7 +13,7 @@ import pytest
 
 from embed_service.model_source import ModelSourceError, resolve_model
 from tests.deploy.hf_cache import lay_out_cache
-from tests.server import ServerProcess
+from tests.server import ServerProcess, free_port
 
 MAIN = "a" * 40
 OLD = "b" * 40
@@ -53,7 +56,10 @@ def test_missing_repo_offline_says_so(hub_cache, monkeypatch):
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(ModelSourceError, match="not in the Hugging Face cache .* HF_HUB_OFFLINE is set"):
+    with pytest.raises(
+        ModelSourceError,
+        match="no such directory, and not in the Hugging Face cache .*; HF_HUB_OFFLINE is set",
+    ):
         resolve_model("acme/absent", cache_dir=hub_cache)
 
 
@@ -91,4 +97,19 @@ def test_server_refuses_a_missing_repo_offline_with_a_clear_message(hub_cache):
     env = {"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
     server = ServerProcess("--model", "acme/absent", env=env)
     assert server.proc.wait(60) != 0
-    assert "--model acme/absent: not in the Hugging Face cache" in server.output()
+    assert "--model acme/absent: no such directory, and not in the Hugging Face cache" in server.output()
+
+
+def test_missing_repo_with_the_hub_unreachable_says_so(hub_cache):
+    """Online mode tries the hub (here a closed port on loopback) and reports both failures at once."""
+    env = {**os.environ, "HF_HUB_CACHE": str(hub_cache), "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
+    env.pop("HF_HUB_OFFLINE", None)
+    r = subprocess.run(
+        [sys.executable, "-m", "embed_service.model_source", "acme/absent"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 1
+    assert "not in the Hugging Face cache" in r.stderr and "downloading it failed" in r.stderr
