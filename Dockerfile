@@ -84,7 +84,7 @@ FROM nvidia/cuda:${CUDA_VERSION}-devel-${UBUNTU} AS cuda-build
 # DL3008: as above; the CUDA image tag is the pin.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev git \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev \
     && rm -rf /var/lib/apt/lists/*
 ENV PYTHONDONTWRITEBYTECODE=1 PIP_DISABLE_PIP_VERSION_CHECK=1 MAX_JOBS=4
 WORKDIR /src

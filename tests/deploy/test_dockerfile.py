@@ -132,3 +132,24 @@ def test_baking_a_model_fetches_it_into_the_cache(tmp_path, default_model_path):
 def test_shell_scripts_pass_shellcheck(script):
     r = subprocess.run([tool("shellcheck"), str(ROOT / script)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout
+
+
+def test_every_embed_variable_the_image_sets_is_a_setting():
+    from embed_service.config import Settings
+
+    settings = {f"EMBED_{name.upper()}" for name in Settings.model_fields}
+    env = " ".join(args for word, args in instructions() if word == "ENV")
+    names = set(re.findall(r"\b(EMBED_[A-Z_]+)=", env))
+    assert {"EMBED_HOST", "EMBED_PORT", "EMBED_MODEL", "EMBED_REVISION"} <= names
+    assert names <= settings | {"EMBED_KERNEL_CACHE"}, names - settings
+
+
+def test_an_image_built_without_a_model_serves_the_packaged_one(monkeypatch):
+    """The image sets EMBED_MODEL and EMBED_REVISION to its build arguments, empty by default."""
+    from embed_service.config import Settings
+    from embed_service.server import build_engine
+
+    monkeypatch.setenv("EMBED_MODEL", "")
+    monkeypatch.setenv("EMBED_REVISION", "")
+    engine = build_engine(Settings(device="cpu"))
+    assert engine.name == "all-MiniLM-L6-v2"
