@@ -42,8 +42,9 @@ FROM python:${PYTHON_VERSION}-slim-${DEBIAN} AS cpu
 # A C compiler stays in this image (about 190 MiB installed of gcc-12, binutils and libc6-dev, beside
 # the 1.3 GiB virtual environment): the CPU attention kernel (embed_service/ops/csrc) is compiled on first use with
 # -march=native for the CPU the pod lands on (AVX-512, AMX tiles), 2 s once per pod into EMBED_KERNEL_CACHE;
-# it doubles query throughput over torch's attention (docs/performance.md). A kernel prebuilt at image build
-# would have to be one portable x86-64 level or several with run-time dispatch. EMBED_CPU_KERNELS=0 (or an
+# it gives 1.5-2.3x the query throughput of torch's attention (docs/performance.md). A kernel prebuilt at image build
+# must guess the CPU: x86-64-v4 matches native speed on AVX-512, x86-64-v3 is 2-6x slower, neither has AMX,
+# and the loader has no run-time dispatch (docs/deployment.md has the figures). EMBED_CPU_KERNELS=0 (or an
 # image without gcc) serves on torch's attention instead, with the same results.
 # DL3008 (pin apt versions): bookworm's point releases replace the pinned versions and the build breaks;
 # the base image tag is the pin.
