@@ -55,7 +55,11 @@ def render(tmp_path: Path, overlay: str, components: list[str]) -> str:
     return r.stdout
 
 
-CASES = [(o, []) for o in OVERLAYS] + [(o, COMPONENTS) for o in OVERLAYS] + [("cpu", ["monitoring"])]
+CASES = (
+    [(o, []) for o in OVERLAYS]
+    + [(o, COMPONENTS) for o in OVERLAYS]
+    + [("cpu", ["monitoring"]), ("gpu", ["model-volume"])]
+)
 
 
 @pytest.fixture(scope="module")
@@ -239,3 +243,16 @@ def test_resources_and_image_per_overlay(rendered, overlay, gpus, tag):
     e = env(docs)
     assert int(e.get("EMBED_TENSOR_PARALLEL_SIZE", 1)) == max(gpus, 1)
     assert e.get("EMBED_DEVICE", "auto") == ("cuda" if gpus else "auto")
+
+
+def test_model_volume_is_read_only_where_the_image_looks_for_models(rendered):
+    docs = rendered[("gpu", ("model-volume",))]
+    (mount,) = [m for m in container(docs)["volumeMounts"] if m["name"] == "models"]
+    assert mount["readOnly"] is True
+    assert dockerfile_env("HF_HUB_CACHE").startswith(mount["mountPath"] + "/")
+    (volume,) = [v for v in pod(docs)["spec"]["volumes"] if v["name"] == "models"]
+    claim = by_kind(docs)["PersistentVolumeClaim"]
+    assert volume["persistentVolumeClaim"] == {"claimName": claim["metadata"]["name"], "readOnly": True}
+    # Everything else as in the plain overlay: the model volume adds no writable place.
+    writable = {m["mountPath"] for m in container(docs)["volumeMounts"] if not m.get("readOnly")}
+    assert writable == {m["mountPath"] for m in container(rendered[("gpu", ())])["volumeMounts"]}
