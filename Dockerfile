@@ -58,8 +58,9 @@ COPY --from=cpu-build /opt/venv /opt/venv
 COPY --from=model --chown=embed:embed /models /models
 ARG MODEL=""
 ARG MODEL_REVISION=""
-# The writable places the server uses: the kernel cache, HOME/.cache (Hugging Face downloads) and /tmp.
-# Everything else may be read-only (docker run --read-only, Kubernetes readOnlyRootFilesystem).
+# The writable places the server uses: the kernel cache, HOME/.cache and /tmp; /models (HF_HUB_CACHE) only
+# to download a repo id at start-up. Everything else may be read-only (docker run --read-only, Kubernetes
+# readOnlyRootFilesystem).
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

@@ -7,13 +7,14 @@ import json
 import re
 import subprocess
 import warnings
+from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.deploy.tools import ROOT, tool
+from tests.deploy.tools import ROOT, dockerfile_env, tool
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "embed-service.json"
 # Series that come from elsewhere: Prometheus itself (up) and kube-state-metrics (kube_*).
@@ -138,4 +139,13 @@ def test_compose_stack_wires_the_rules_and_the_dashboard():
     )
     assert source["datasources"][0]["url"] == f"http://prometheus:{prometheus['ports'][0]['target']}"
     assert server["read_only"] is True and server["cap_drop"] == ["ALL"]
+    # Writable: the model cache (a volume: repo-id downloads go there) and tmpfs where the server writes.
+    writable = {v.split(":")[1] for v in server["volumes"]} | {t.split(":")[0] for t in server["tmpfs"]}
+    cache = dockerfile_env("HF_HUB_CACHE")
+    assert any(cache.startswith(w + "/") for w in writable), cache
+    assert {
+        "/tmp",
+        dockerfile_env("HOME") + "/.cache",
+        str(Path(dockerfile_env("EMBED_KERNEL_CACHE")).parent),
+    } <= writable
     assert int(server["stop_grace_period"].rstrip("s")) > 30  # the drain
