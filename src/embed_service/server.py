@@ -26,6 +26,7 @@ from embed_service.api.app import create_app
 from embed_service.api.http_limits import uvicorn_options
 from embed_service.config import DEFAULT_MODEL_NAME, Settings
 from embed_service.engine.engine import Engine
+from embed_service.model_source import ModelSourceError, resolve_model
 from embed_service.models.checkpoint import check_model_files
 from embed_service.models.spec import load_spec
 
@@ -70,11 +71,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def build_engine(settings: Settings) -> Engine:
     """The model's spec, files and tokenizer checked, and its engine built: every refusal is one line."""
     if settings.model:
-        path = Path(settings.model).expanduser()
-        if not path.is_dir():
-            raise StartupError(f"model folder {settings.model} (--model / EMBED_MODEL): no such directory")
-        # The name as the user wrote it (a symlink's own name), else the resolved folder's ("." -> its name).
-        names = settings.served_model_name or [path.name or path.resolve().name]
+        try:  # a model folder, a Hugging Face cache folder or a repo id (model_source.py)
+            source = resolve_model(settings.model, settings.revision)
+        except ModelSourceError as exc:
+            raise StartupError(str(exc)) from None
+        path, names = source.path, settings.served_model_name or [source.name]
     else:
         path = default_model_path()
         names = settings.served_model_name or [DEFAULT_MODEL_NAME]

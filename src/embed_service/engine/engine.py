@@ -10,7 +10,6 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,7 +33,13 @@ from embed_service.engine.tokenizer import (
 )
 from embed_service.models.spec import ModelSpec
 from embed_service.parallel import check_shardable
-from embed_service.workers.device import available_cores, check_world_size, resolve_device, resolve_dtype
+from embed_service.workers.device import (
+    available_cores,
+    available_memory,
+    check_world_size,
+    resolve_device,
+    resolve_dtype,
+)
 from embed_service.workers.group import WorkerDiedError, WorkerGroup, free_port
 from embed_service.workers.worker import WorkerConfig
 
@@ -80,13 +85,10 @@ def finish(vectors: np.ndarray, dimensions: int | None, normalize: bool) -> np.n
 
 
 def small_enough_to_copy(spec: ModelSpec) -> bool:
-    """Two copies of the checkpoint fit in an eighth of the machine's memory."""
+    """Two copies of the checkpoint fit in an eighth of the memory the process may use (its cgroup's limit)."""
     weights = sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in spec.path.glob(pattern))
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return False
-    return 2 * weights <= memory // 8
+    memory = available_memory()
+    return memory is not None and 2 * weights <= memory // 8
 
 
 INLINE_TOKENIZE_CHARS = 1024
