@@ -251,6 +251,7 @@ class LaunchedServer(ServerProcess):
             env=dict(os.environ),
             start_new_session=True,
         )
+        ServerProcess.running.add(self)  # killed however the test ends
 
 
 def test_a_low_open_file_limit_is_said_and_the_connection_limit_fits_it():
