@@ -20,6 +20,7 @@ class Sequence:
     request: RequestState
     enqueued_at: float = 0.0
     extra: dict = field(default_factory=dict)
+    failed_on: int | None = None  # the backend whose batch failed it once; it is retried elsewhere, once
 
     @property
     def cancelled(self) -> bool:
