@@ -210,7 +210,10 @@ class Replicas:
         except Exception as exc:  # it did not load (a worker died or failed while loading)
             if self._closing:
                 return
-            self._failed(r, f"restart failed: {str(exc).splitlines()[0]}")
+            log.error("model %s: replica %d did not restart: %s", self.model, r.index, exc)
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [repr(exc)]
+            # The first line says what failed, the last one why (a traceback's exception line).
+            self._failed(r, "restart failed: " + (lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"))
             return
         if self._closing:
             return
