@@ -147,3 +147,18 @@ def test_a_batch_past_its_deadline_kills_the_group_instead_of_waiting_forever(de
         assert_all_exited(group)
     finally:
         group.close()
+
+
+def test_a_worker_stopped_while_loading_fails_start_up_instead_of_hanging_it(default_model_path):
+    group = WorkerGroup(one_rank(default_model_path))
+    group.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not group.heartbeats[0].value and time.monotonic() < deadline:
+            time.sleep(0.005)  # its first beat: the worker runs, and loading (import torch) starts now
+        os.kill(group.pids[0], signal.SIGSTOP)
+        with pytest.raises(WorkerDiedError, match=r"stopped responding .* while loading"):
+            group.wait_ready(lambda _: None)
+        assert_all_exited(group)
+    finally:
+        group.close()

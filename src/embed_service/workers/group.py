@@ -86,7 +86,7 @@ class WorkerGroup:
         ctx = mp.get_context("spawn")
         for rank in range(self.cfg.world_size):
             parent, child = ctx.Pipe()
-            heartbeat = ctx.RawValue("d", time.monotonic())
+            heartbeat = ctx.RawValue("d", 0.0)  # 0: no beat yet (the interpreter is still starting)
             p = ctx.Process(
                 target=worker_main,
                 args=(rank, self.cfg, child, heartbeat),
@@ -113,7 +113,11 @@ class WorkerGroup:
         info: dict[int, dict] = {}
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs)}
         while pending:
-            for obj in wait([*pending.values(), *sentinels]):
+            ready = wait([*pending.values(), *sentinels], timeout=_WATCH_INTERVAL_S)
+            silent = self._silent()
+            if silent is not None:  # stopped or frozen while loading: it would keep the others waiting
+                raise WorkerDiedError(silent + " while loading")
+            for obj in ready:
                 if isinstance(obj, Connection):
                     rank = self.conns.index(obj)
                     try:
@@ -134,6 +138,16 @@ class WorkerGroup:
                     raise self._exited(rank)
         self.rank_info = [info[r] for r in range(len(self.procs))]
 
+    def _silent(self) -> str | None:
+        """Names the first worker whose heartbeat has stopped, if any."""
+        now = time.monotonic()
+        for rank, heartbeat in enumerate(self.heartbeats):
+            last = heartbeat.value
+            if last and now - last > HEARTBEAT_TIMEOUT_S:
+                pid = self.procs[rank].pid
+                return f"worker {rank} (pid {pid}) stopped responding (no heartbeat for {now - last:.1f}s)"
+        return None
+
     def _exited(self, rank: int) -> WorkerDiedError:
         p = self.procs[rank]
         p.join(5)
@@ -147,15 +161,10 @@ class WorkerGroup:
                 return
             if ready:
                 break
-            now = time.monotonic()
-            for rank, heartbeat in enumerate(self.heartbeats):
-                silent = now - heartbeat.value
-                if silent > HEARTBEAT_TIMEOUT_S:
-                    pid = self.procs[rank].pid
-                    self._die(
-                        f"worker {rank} (pid {pid}) stopped responding (no heartbeat for {silent:.1f}s)"
-                    )
-                    return
+            silent = self._silent()
+            if silent is not None:
+                self._die(silent)
+                return
         gone = [r for r, p in enumerate(self.procs) if p.sentinel in ready]
         for rank in gone:
             self.procs[rank].join(1)  # reap it, so its exit code is known
