@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import threading
 import time
+from collections import Counter
+from dataclasses import dataclass
 
 import httpx
+import psutil
 
 from tests.server import ServerProcess, read_corpus
 
@@ -136,3 +140,164 @@ def test_sigterm_answers_admitted_requests_then_exits_0():
     assert len(results) == 6
     assert all(r.status_code == 200 for r in results), [r.status_code for r in results]
     assert all(len(r.json()["data"]) == len(texts) for r in results)
+
+
+# --- self-healing replicas ----------------------------------------------------------------------------
+
+TEXT = "a worker may die under this request and the answer must still come back " * 3
+
+
+@dataclass
+class Answer:
+    start: float
+    end: float
+    status: int | None  # None: no HTTP answer
+    retry_after: str | None
+
+
+class Load:
+    """A few clients posting small requests back to back, bounded in time, recording every answer."""
+
+    def __init__(self, url: str, clients: int = 3):
+        self.url, self.stop, self.answers = url, threading.Event(), []
+        self.threads = [threading.Thread(target=self._client) for _ in range(clients)]
+
+    def _client(self) -> None:
+        with httpx.Client(timeout=60) as client:
+            while not self.stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    r = client.post(self.url + "/v1/embeddings", json={"input": [TEXT] * 4})
+                    self.answers.append(
+                        Answer(t0, time.monotonic(), r.status_code, r.headers.get("retry-after"))
+                    )
+                except httpx.HTTPError:
+                    self.answers.append(Answer(t0, time.monotonic(), None, None))
+                if self.answers[-1].status != 200:
+                    time.sleep(0.05)  # a client that is refused comes back soon, not at once
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while not any(a.status == 200 for a in self.answers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(90)
+
+
+def replica(url: str, index: int) -> dict:
+    return httpx.get(url + "/info", timeout=10).json()["replicas"][index]
+
+
+def wait_for(condition, timeout: float, poll: float = 0.02) -> float:
+    """Seconds until `condition()` holds; fails past `timeout`."""
+    t0 = time.monotonic()
+    while not condition():
+        assert time.monotonic() - t0 < timeout, "not reached in time"
+        time.sleep(poll)
+    return time.monotonic() - t0
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_killed_and_a_stopped_replica_lose_no_request_with_two_replicas():
+    s = ServerProcess("--dtype", "float32", "--data-parallel-size", "2")
+    try:
+        s.wait_healthy()
+        check_two_replicas_lose_nothing(s)
+    finally:
+        s.stop(signal.SIGKILL)  # no process left behind, even when the test fails
+
+
+def check_two_replicas_lose_nothing(s: ServerProcess) -> None:
+    health: list[int] = []
+    watching = threading.Event()
+
+    def watch_health() -> None:
+        with httpx.Client(timeout=10) as client:
+            while not watching.is_set():
+                health.append(client.get(s.url + "/health").status_code)
+                time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch_health, daemon=True)
+    figures = {}
+    with Load(s.url) as load:
+        watcher.start()
+        for index, sig in ((0, signal.SIGKILL), (1, signal.SIGSTOP)):
+            victim = replica(s.url, index)["pids"][0]
+            os.kill(victim, sig)
+            detect = wait_for(lambda i=index: replica(s.url, i)["state"] != "ready", 30)
+            back = wait_for(lambda i=index: replica(s.url, i)["state"] == "ready", 90) + detect
+            figures[sig.name] = (detect, back)
+            assert gone(victim), "the replica's old worker is still there"
+            assert replica(s.url, index)["restarts"] == 1
+            time.sleep(1.0)  # serving on both again
+    watching.set()
+    watcher.join()
+    statuses = Counter(a.status for a in load.answers)
+    print(
+        f"two replicas under load: {len(load.answers)} requests, statuses {dict(statuses)}; "
+        + "; ".join(f"{k}: detected in {d:.2f}s, replica back in {b:.2f}s" for k, (d, b) in figures.items())
+        + f"; slowest answer {max(a.end - a.start for a in load.answers):.2f}s"
+    )
+    assert statuses == {200: len(load.answers)}, "requests were lost"
+    assert set(health) == {200}, "/health left 200 although a replica could serve"
+    assert metric(s.url, "embed_replica_restarts_total") == 2
+    assert metric(s.url, "embed_replicas_ready") == 2
+
+
+def test_a_single_replica_is_503_while_it_restarts_and_the_server_exits_when_restarts_keep_failing(
+    tmp_path, default_model_path
+):
+    # A copy of the model whose weights can be broken later: a restart then cannot load.
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in default_model_path.iterdir():
+        (model / f.name).symlink_to(f)
+    s = ServerProcess("--model", str(model), "--dtype", "float32", "--data-parallel-size", "1")
+    try:
+        s.wait_healthy()
+        figures = {}
+        with Load(s.url, clients=2) as load:
+            for sig in (signal.SIGKILL, signal.SIGSTOP):
+                victim = replica(s.url, 0)["pids"][0]
+                os.kill(victim, sig)
+                down = wait_for(lambda: httpx.get(s.url + "/health", timeout=10).status_code == 503, 30)
+                body = httpx.get(s.url + "/health", timeout=10).json()
+                up = wait_for(lambda: httpx.get(s.url + "/health", timeout=10).status_code == 200, 90) + down
+                figures[sig.name] = (down, up)
+                assert body["status"] == "restarting" and f"pid {victim}" in body["reason"], body
+                assert gone(victim)
+                time.sleep(0.5)
+        statuses = Counter(a.status for a in load.answers)
+        print(
+            f"one replica under load: {len(load.answers)} requests, statuses {dict(statuses)}; "
+            + "; ".join(
+                f"{k}: /health 503 after {d:.2f}s, 200 again after {u:.2f}s" for k, (d, u) in figures.items()
+            )
+        )
+        assert set(statuses) <= {200, 503}, statuses
+        assert all(a.retry_after for a in load.answers if a.status == 503)
+        assert metric(s.url, "embed_replica_restarts_total") == 2
+
+        # The weights go bad: the next restart cannot load, nor the two after it; then the server exits.
+        (model / "model.safetensors").unlink()
+        (model / "model.safetensors").write_bytes(b"not a safetensors file")
+        killed = time.monotonic()
+        os.kill(replica(s.url, 0)["pids"][0], signal.SIGKILL)
+        code = s.proc.wait(120)
+        print(f"restarts kept failing: the server exited with {code} after {time.monotonic() - killed:.1f}s")
+        assert code == 1
+        assert "after 3 restarts within 5 minutes" in s.output()
+    finally:
+        s.stop(signal.SIGKILL)

@@ -139,6 +139,18 @@ class Settings(BaseSettings):
     drain_timeout: float = 30.0
     """Seconds SIGTERM waits for admitted requests to finish before the server exits anyway."""
 
+    batch_timeout: float | None = None
+    """Seconds one batch may take before its replica is declared hung, killed and restarted (the batch is
+    retried on another replica). Default: 10 times what the replica's warm-up measured per token of the
+    longest inputs, times --max-batch-tokens, and at least 30 s."""
+
+    @field_validator("batch_timeout")
+    @classmethod
+    def _positive_seconds(cls, v: float | None) -> float | None:
+        if v is not None and not v > 0:
+            raise ValueError("must be more than 0 seconds")
+        return v
+
     max_header_bytes: int = 32 * 1024
     """Largest request head (request line and headers); a larger one gets 431 and the connection is closed."""
 

@@ -63,6 +63,18 @@ INPUTS_IN_FLIGHT = Gauge(
     ["model"],
     registry=REGISTRY,
 )
+REPLICA_RESTARTS = Counter(
+    "embed_replica_restarts_total",
+    "Model replicas restarted after a worker died or hung (each attempt, whether it loads or not).",
+    ["model"],
+    registry=REGISTRY,
+)
+REPLICAS_READY = Gauge(
+    "embed_replicas_ready",
+    "Model replicas serving now (below the configured count while one restarts).",
+    ["model"],
+    registry=REGISTRY,
+)
 
 
 def declare_model(model: str) -> None:
@@ -77,5 +89,7 @@ def declare_model(model: str) -> None:
         BATCH_TOKENS,
         QUEUE_SIZE,
         INPUTS_IN_FLIGHT,
+        REPLICA_RESTARTS,
+        REPLICAS_READY,
     ):
         metric.labels(model)

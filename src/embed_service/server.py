@@ -6,7 +6,8 @@ cannot be bound (before the model is even read), a model folder that cannot be s
 weights headers). Only then does uvicorn start, on the socket bound first, while the workers load.
 
 SIGTERM (and the first SIGINT): stop admitting (new requests and /health get 503), finish what was admitted,
-then exit 0. A worker that dies makes the process exit non-zero so an orchestrator restarts it.
+then exit 0. A replica whose worker dies or hangs is restarted in the process (engine/replicas.py); only when
+restarts keep failing does the process exit non-zero, so that an orchestrator restarts it.
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
     def fatal(self, reason: str) -> None:
+        """A model cannot serve any more (it did not load, or its restarts keep failing): exit 1 soon."""
         if self.exit_code:
             return  # reported already (a model and the app may both report one failure)
         log.error(

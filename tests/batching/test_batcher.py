@@ -1,5 +1,7 @@
 """The batcher with several replicas: work is shared, the priority replica stays small, and a short
-request goes into the next batch ahead of queued bulk work."""
+request goes into the next batch ahead of queued bulk work. Whatever fails (batch formation, a backend
+raising, returning too few results or being lost, stop()), every admitted input is answered exactly once:
+with its own result, retried once on another backend, or with an error."""
 
 from __future__ import annotations
 
@@ -7,7 +9,13 @@ import asyncio
 import threading
 import time
 
-from embed_service.batching.batcher import Batcher
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from embed_service.batching.batcher import BackendLost, Batcher, ShortResultError
+from embed_service.batching.policy import PriorityFirst
 from embed_service.batching.sequence import RequestState, Sequence
 
 
@@ -103,3 +111,277 @@ def test_a_short_request_goes_ahead_of_queued_bulk_work():
 
     run(main())
     assert a.batches[1] == [7]  # the very next batch, before nine waiting bulk ones
+
+
+# --- every admitted input is answered exactly once ---------------------------------------------------
+
+
+class RaisesOnce(PriorityFirst):
+    """A policy with a bug: the first batch it forms takes a sequence out of the lane, then raises."""
+
+    def __init__(self):
+        self.raised = False
+
+    def take_lanes(self, priority, bulk, *args, **kwargs):
+        if not self.raised and bulk:
+            self.raised = True
+            bulk.popleft()
+            raise ValueError("a bug in forming a batch")
+        return super().take_lanes(priority, bulk, *args, **kwargs)
+
+
+def outcomes(futures) -> list:
+    return [f.exception() if f.exception() else f.result() for f in futures]
+
+
+def test_an_error_while_forming_a_batch_answers_its_sequences_and_the_loop_keeps_serving():
+    async def main():
+        batcher = Batcher([Backend()], 64, 256, "m")
+        batcher.policy = RaisesOnce()
+        loop = asyncio.get_running_loop()
+        seqs = make(loop, [3, 4, 5])
+        batcher.submit(seqs)
+        batcher.start()
+        done, pending = await asyncio.wait([s.future for s in seqs], timeout=5)
+        assert not pending, "a sequence taken by the failed batch is never answered"
+        later = make(loop, [6])
+        batcher.submit(later)
+        result = await asyncio.wait_for(later[0].future, 5)
+        await batcher.stop()
+        return outcomes(s.future for s in seqs), result
+
+    got, later = run(main())
+    assert isinstance(got[0], ValueError) and got[1:] == [4, 5]
+    assert later == 6
+
+
+def test_token_ids_outside_int32_fail_their_batch_not_the_loop():
+    async def main():
+        batcher = Batcher([Backend()], 64, 256, "m")
+        batcher.start()
+        loop = asyncio.get_running_loop()
+        bad = [Sequence([2**40], loop.create_future(), RequestState())]
+        batcher.submit(bad)
+        with pytest.raises(OverflowError):
+            await asyncio.wait_for(bad[0].future, 5)
+        good = make(loop, [2])
+        batcher.submit(good)
+        result = await asyncio.wait_for(good[0].future, 5)
+        await batcher.stop()
+        return result
+
+    assert run(main()) == 2
+
+
+def test_a_backend_returning_fewer_results_fails_the_batch_instead_of_leaving_it_pending():
+    def short(ids, lengths):
+        return lengths.tolist()[:-1]
+
+    async def main():
+        batcher = Batcher([short], 64, 256, "m")
+        batcher.start()
+        seqs = make(asyncio.get_running_loop(), [3, 4])
+        batcher.submit(seqs)
+        await asyncio.wait([s.future for s in seqs], timeout=5)
+        await batcher.stop()
+        return [s.future for s in seqs]
+
+    futures = run(main())
+    assert all(f.done() for f in futures)
+    assert all(isinstance(f.exception(), ShortResultError) for f in futures)
+    assert "returned 1 results for a batch of 2" in str(futures[0].exception())
+
+
+def test_stop_answers_what_is_waiting_and_what_is_running():
+    release = threading.Event()
+
+    def blocked(ids, lengths):
+        release.wait(10)
+        return lengths.tolist()
+
+    async def main():
+        batcher = Batcher([blocked], 8, 256, "m")
+        batcher.start()
+        seqs = make(asyncio.get_running_loop(), [8, 8, 8])  # one runs, two wait
+        batcher.submit(seqs)
+        await asyncio.sleep(0.05)
+        await batcher.stop(ConnectionAbortedError("shutting down"))
+        release.set()
+        return [s.future for s in seqs]
+
+    futures = run(main())
+    assert [type(f.exception()) for f in futures] == [ConnectionAbortedError] * 3
+
+
+def test_a_failed_batch_is_retried_once_on_another_backend():
+    calls: list[tuple[str, list[int]]] = []
+
+    def failing(ids, lengths):
+        calls.append(("failing", lengths.tolist()))
+        raise RuntimeError("injected")
+
+    def healthy(ids, lengths):
+        time.sleep(0.02)  # busy, so that the failing backend takes the first batch
+        calls.append(("healthy", lengths.tolist()))
+        return lengths.tolist()
+
+    async def main():
+        batcher = Batcher([failing, healthy], 16, 256, "m")
+        batcher.start()
+        seqs = make(asyncio.get_running_loop(), [5, 6, 7, 8])
+        batcher.submit(seqs)
+        results = await asyncio.wait_for(asyncio.gather(*(s.future for s in seqs)), 5)
+        await batcher.stop()
+        return results
+
+    assert run(main()) == [5, 6, 7, 8]
+    assert any(name == "failing" for name, _ in calls)  # it did fail some
+
+
+def test_a_lost_backend_gets_no_batches_until_it_is_up_and_alone_fails_what_waits():
+    lost = {"now": True}
+
+    def backend(ids, lengths):
+        if lost["now"]:
+            raise BackendLost("replica 0 is gone")
+        return lengths.tolist()
+
+    async def main():
+        batcher = Batcher([backend], 64, 256, "m")
+        batcher.start()
+        loop = asyncio.get_running_loop()
+        first = make(loop, [3])
+        batcher.submit(first)
+        await asyncio.wait([first[0].future], timeout=5)
+        meanwhile = make(loop, [4])
+        batcher.submit(meanwhile)  # no backend is up: answered at once
+        assert meanwhile[0].future.done()
+        lost["now"] = False
+        batcher.backend_up(0)
+        after = make(loop, [5])
+        batcher.submit(after)
+        result = await asyncio.wait_for(after[0].future, 5)
+        await batcher.stop()
+        return first[0].future.exception(), meanwhile[0].future.exception(), result
+
+    first, meanwhile, after = run(main())
+    assert isinstance(first, BackendLost) and isinstance(meanwhile, BackendLost)
+    assert after == 5
+
+
+# --- property: random traffic against fake backends that fail --------------------------------------
+
+ACTIONS = ["ok", "ok", "ok", "slow", "raise", "short", "lost"]
+
+
+class Fake:
+    """A backend that follows a plan, one action per call, and answers each sequence with its own
+    (number, length). A "lost" backend raises BackendLost and is brought back a little later."""
+
+    def __init__(self, index: int, plan: list[str], log: list, restart):
+        self.index, self.plan, self.log, self.restart = index, plan, log, restart
+        self.calls = 0
+
+    def __call__(self, ids, lengths):
+        action = self.plan[self.calls] if self.calls < len(self.plan) else "ok"
+        self.calls += 1
+        bounds = np.concatenate([[0], np.cumsum(lengths)])
+        rows = [(int(ids[bounds[i]]), int(lengths[i])) for i in range(len(lengths))]
+        self.log.append((self.index, [n for n, _ in rows], action))
+        if action == "slow":
+            time.sleep(0.004)
+        elif action == "raise":
+            raise RuntimeError("injected")
+        elif action == "short":
+            return rows[:-1]
+        elif action == "lost":
+            self.restart(self.index)
+            raise BackendLost("injected loss")
+        return rows
+
+
+request_st = st.tuples(
+    st.lists(st.integers(1, 40), min_size=1, max_size=6),  # input lengths
+    st.booleans(),  # priority lane
+    st.floats(0, 0.004),  # pause before it arrives
+    st.one_of(st.none(), st.floats(0, 0.006)),  # the client goes away after this long
+)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    requests=st.lists(request_st, min_size=1, max_size=16),
+    plans=st.lists(st.lists(st.sampled_from(ACTIONS), max_size=10), min_size=1, max_size=3),
+    reliable_first=st.booleans(),
+    max_tokens=st.sampled_from([40, 64, 200]),
+)
+def test_every_admitted_input_is_answered_once_with_its_own_result(
+    requests, plans, reliable_first, max_tokens
+):
+    if reliable_first and len(plans) > 1:
+        plans[0] = []  # backend 0 never fails
+    log: list = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+
+        def restart(index: int) -> None:  # on a compute thread
+            loop.call_soon_threadsafe(loop.call_later, 0.003, batcher.backend_up, index)
+
+        batcher = Batcher(
+            [Fake(i, plan, log, restart) for i, plan in enumerate(plans)],
+            max_tokens,
+            8,
+            "m",
+            priority_batch_tokens=32,
+        )
+        batcher.start()
+        number = iter(range(1, 10**6))
+        submitted = []
+        for lengths, priority, pause, cancel_after in requests:
+            await asyncio.sleep(pause)
+            state = RequestState()
+            seqs = []
+            for n in lengths:
+                k = next(number)
+                seqs.append(Sequence([k] * n, loop.create_future(), state))
+            batcher.submit(seqs, priority=priority)
+            submitted.append((seqs, state))
+            if cancel_after is not None:
+
+                def cancel(seqs=seqs, state=state) -> None:  # what the engine does when a client leaves
+                    state.cancelled = True
+                    for s in seqs:
+                        s.future.cancel()
+
+                loop.call_later(cancel_after, cancel)
+        futures = [s.future for seqs, _ in submitted for s in seqs]
+        _, pending = await asyncio.wait(futures, timeout=10)
+        assert not pending, f"{len(pending)} inputs never answered"
+        owned = list(batcher._owned)
+        await batcher.stop()
+        return submitted, owned
+
+    submitted, owned = asyncio.run(main())
+    assert all(s.cancelled for s in owned)  # nothing answered is still held
+    calls_of: dict[int, list[tuple[int, str]]] = {}
+    for backend, numbers, action in log:
+        for n in numbers:
+            calls_of.setdefault(n, []).append((backend, action))
+    for seqs, state in submitted:
+        for s in seqs:
+            n, calls = s.ids[0], calls_of.get(s.ids[0], [])
+            assert len(calls) <= 2, (n, calls)  # one try and at most one retry
+            assert sum(action in ("ok", "slow") for _, action in calls) <= 1, (n, calls)  # computed once
+            if len(calls) == 2:
+                assert calls[0][0] != calls[1][0], calls  # the retry ran on another backend
+            if s.future.cancelled():
+                assert state.cancelled
+                continue
+            exc = s.future.exception()
+            if exc is None:
+                assert s.future.result() == (n, len(s.ids))  # its own result, so in order
+            else:
+                assert isinstance(exc, (RuntimeError, ShortResultError, BackendLost)), exc
+                if reliable_first and len(plans) == 2 and not isinstance(exc, BackendLost):
+                    raise AssertionError(f"input {n} failed although backend 0 never does: {calls}")

@@ -104,3 +104,61 @@ def test_a_worker_killed_while_loading_does_not_leave_the_others_waiting(default
         assert_all_exited(group)
     finally:
         group.close()
+
+
+def one_rank(model: Path) -> WorkerConfig:
+    return WorkerConfig(str(model), 128, "float32", "cpu", 1, 1, 0)
+
+
+def test_a_stopped_worker_is_declared_dead_by_its_heartbeat(default_model_path):
+    deaths: list[str] = []
+    group = WorkerGroup(one_rank(default_model_path), on_death=deaths.append)
+    group.start()
+    try:
+        group.wait_ready(lambda _: None)
+        victim = group.pids[0]
+        os.kill(victim, signal.SIGSTOP)
+        stopped = time.monotonic()
+        while not deaths and time.monotonic() - stopped < 30:
+            time.sleep(0.05)
+        print(f"SIGSTOP: declared dead after {time.monotonic() - stopped:.2f}s")
+        assert deaths and deaths[0].startswith(
+            f"worker 0 (pid {victim}) stopped responding (no heartbeat for"
+        )
+        assert_all_exited(group)  # killed, although stopped
+        with pytest.raises(WorkerDiedError, match="stopped responding"):
+            group.run(np.ones(4, dtype=np.int32), np.array([4], dtype=np.int32))
+    finally:
+        group.close()
+
+
+def test_a_batch_past_its_deadline_kills_the_group_instead_of_waiting_forever(default_model_path):
+    deaths: list[str] = []
+    group = WorkerGroup(one_rank(default_model_path), on_death=deaths.append, batch_timeout=0.02)
+    group.start()
+    try:
+        group.wait_ready(lambda _: None)
+        big = np.full(64 * 128, 1037, dtype=np.int32)  # far longer than 20 ms on any CPU
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDiedError, match=r"did not answer a batch of 8192 tokens within 0.02s"):
+            group.run(big, np.full(64, 128, dtype=np.int32))
+        assert time.monotonic() - t0 < 5
+        assert len(deaths) == 1 and "did not answer" in deaths[0]
+        assert_all_exited(group)
+    finally:
+        group.close()
+
+
+def test_a_worker_stopped_while_loading_fails_start_up_instead_of_hanging_it(default_model_path):
+    group = WorkerGroup(one_rank(default_model_path))
+    group.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not group.heartbeats[0].value and time.monotonic() < deadline:
+            time.sleep(0.005)  # its first beat: the worker runs, and loading (import torch) starts now
+        os.kill(group.pids[0], signal.SIGSTOP)
+        with pytest.raises(WorkerDiedError, match=r"stopped responding .* while loading"):
+            group.wait_ready(lambda _: None)
+        assert_all_exited(group)
+    finally:
+        group.close()

@@ -26,7 +26,7 @@ _WHEN = {
     415: "The body was not sent as application/json",
     429: "Admitting the inputs would pass --max-concurrent-requests; retry after Retry-After seconds",
     500: "An internal error (a bug): reported without details",
-    503: "Loading, draining after SIGTERM, or the model's workers are gone; retry after Retry-After seconds",
+    503: "Loading, draining after SIGTERM, or no replica can serve; retry after Retry-After seconds",
 }
 _RETRY_AFTER = {
     "Retry-After": {
@@ -58,7 +58,13 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 def unready(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
-    return {503: {"model": model, "description": "Loading, draining or unhealthy", "headers": _RETRY_AFTER}}
+    return {
+        503: {
+            "model": model,
+            "description": "Loading, draining, restarting or unhealthy",
+            "headers": _RETRY_AFTER,
+        }
+    }
 
 
 def _error(status: int) -> dict[str, Any]:

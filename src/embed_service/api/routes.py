@@ -272,6 +272,10 @@ async def health(request: Request) -> Response:
         return json_response({"status": "draining"}, 503, RETRY_AFTER)
     if state.fatal:
         return json_response({"status": "unhealthy", "reason": state.fatal}, 503, RETRY_AFTER)
+    # 503 only while a model has no replica that can serve; one restarting beside a serving one is fine.
+    restarting = [e for e in state.models.engines if e.state == "restarting"]
+    if restarting:
+        return json_response({"status": "restarting", "reason": restarting[0].failure}, 503, RETRY_AFTER)
     if not state.models.ready:
         return json_response({"status": "loading"}, 503, RETRY_AFTER)
     return json_response({"status": "ok"})

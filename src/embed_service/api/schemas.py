@@ -195,7 +195,7 @@ class Info(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok", "loading", "draining", "unhealthy"]
+    status: Literal["ok", "loading", "draining", "restarting", "unhealthy"]
     reason: str | None = None
 
 

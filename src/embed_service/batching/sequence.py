@@ -34,6 +34,7 @@ class Sequence:
     enqueued_at: float = 0.0
     ran: BatchRun | None = None  # set when its batch has run (or failed)
     extra: dict = field(default_factory=dict)
+    failed_on: int | None = None  # the backend whose batch failed it once; it is retried elsewhere, once
 
     @property
     def cancelled(self) -> bool:

@@ -23,6 +23,7 @@ from embed_service.batching.sequence import RequestState, Sequence
 from embed_service.config import Settings
 from embed_service.engine.admission import Admission, Limits, Permit, check_request, run_piecewise
 from embed_service.engine.errors import InvalidInputError, NotReadyError
+from embed_service.engine.replicas import Replicas
 from embed_service.engine.tokenizer import (
     InputCharsError,
     InputTooLongError,
@@ -40,7 +41,7 @@ from embed_service.workers.device import (
     resolve_device,
     resolve_dtype,
 )
-from embed_service.workers.group import WorkerDiedError, WorkerGroup, free_port
+from embed_service.workers.group import WorkerGroup, free_port
 from embed_service.workers.worker import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -160,7 +161,8 @@ class Engine:
             tp,
             free_port() if tp > 1 else 0,
         )
-        self.state = "loading"  # loading -> ready -> draining | failed
+        # loading -> ready <-> restarting (no replica up) -> draining | failed
+        self.state = "loading"
         self.failure: str | None = None
         self.in_flight = 0
         self._in_flight_gauge = metrics.INPUTS_IN_FLIGHT.labels(self.name)
@@ -175,20 +177,25 @@ class Engine:
             self._count_in_flight,
         )
         metrics.declare_model(self.name)
-        self.group: WorkerGroup | None = None  # replica 0
-        self.groups: list[WorkerGroup] = []
+        self.replica_set = Replicas(
+            self.name,
+            self.replicas,
+            self._make_group,
+            self.max_batch_tokens,
+            settings.batch_timeout,
+            on_change=self._replicas_changed,
+            on_give_up=self._fail,
+        )
         self.batcher: Batcher | None = None
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"tokenize-{self.name}")
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._idle = asyncio.Event()
         self._idle.set()
-        self.on_fatal: list[Any] = []  # callbacks (reason) run on the event loop when the workers die
+        self.on_fatal: list[Any] = []  # callbacks (reason) run on the event loop when the model fails
 
     # --- life cycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Start the workers and wait for them to load and warm up (in a thread: the loop keeps serving)."""
-        self._loop = asyncio.get_running_loop()
         log.info(
             "model %s: architecture=%s pooling=%s normalize=%s dimension=%d max_input_length=%d "
             "dtype=%s device=%s tensor_parallel_size=%d",
@@ -202,27 +209,13 @@ class Engine:
             self.device,
             self.settings.tensor_parallel_size,
         )
-        for r in range(self.replicas):
-            config = self.worker_config
-            if r and config.world_size > 1:
-                config = dataclasses.replace(config, dist_port=free_port())
-            self.groups.append(WorkerGroup(config, on_death=self._death_from_thread))
-        self.group = self.groups[0]
         try:
-            for group in self.groups:
-                group.start()
-            for r, group in enumerate(self.groups):
-                say = (
-                    (lambda text: log.info("model %s: %s", self.name, text))
-                    if r == 0
-                    else (lambda text: None)
-                )
-                await asyncio.to_thread(group.wait_ready, say)
+            await self.replica_set.start(lambda text: log.info("model %s: %s", self.name, text))
         except Exception as exc:
             self._fail(str(exc))
             raise
         self.batcher = Batcher(
-            [functools.partial(self._compute, group=g) for g in self.groups],
+            [functools.partial(self._compute, replica=r) for r in range(self.replicas)],
             self.max_batch_tokens,
             self.settings.max_batch_requests,
             self.name,
@@ -231,13 +224,14 @@ class Engine:
             else 0,
             bulk_aging_s=self.settings.bulk_aging_s,
         )
+        self.replica_set.batcher = self.batcher
         self.batcher.start()
         if self.state == "loading":
             self.state = "ready"
             log.info("model %s: ready", self.name)
 
     def begin_drain(self) -> None:
-        if self.state in ("ready", "loading"):
+        if self.state in ("ready", "loading", "restarting"):
             self.state = "draining"
 
     async def wait_idle(self, timeout: float) -> bool:
@@ -249,16 +243,25 @@ class Engine:
 
     async def close(self) -> None:
         if self.batcher:
-            await self.batcher.stop()
-        for group in self.groups:
-            await asyncio.to_thread(group.close)
+            await self.batcher.stop(NotReadyError(f"model {self.name} is shutting down"))
+        await self.replica_set.close()
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
-    def _death_from_thread(self, reason: str) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._fail, reason)
+    def _make_group(self, index: int, on_death: Any) -> WorkerGroup:
+        config = self.worker_config
+        if config.world_size > 1:  # every group its own rendezvous (an old one's port may linger)
+            config = dataclasses.replace(config, dist_port=free_port())
+        return WorkerGroup(config, on_death=on_death)
+
+    def _replicas_changed(self, up: int, reason: str | None) -> None:
+        """A replica went down or came back: the model can serve while at least one is up."""
+        if up == 0 and self.state == "ready":
+            self.state, self.failure = "restarting", reason
+        elif up and self.state == "restarting":
+            self.state, self.failure = "ready", None
 
     def _fail(self, reason: str) -> None:
+        """Restarts keep failing (or start-up failed): the model cannot serve, and the server exits."""
         if self.state == "failed":
             return
         self.state, self.failure = "failed", reason
@@ -273,21 +276,14 @@ class Engine:
         if self.state != "ready":
             what = {
                 "loading": "is still loading",
+                "restarting": f"is restarting: {self.failure}",
                 "draining": "is shutting down",
                 "failed": f"is unavailable: {self.failure}",
             }[self.state]
             raise NotReadyError(f"model {self.name} {what}")
 
-    def _compute(
-        self, ids: np.ndarray, lengths: np.ndarray, group: WorkerGroup | None = None
-    ) -> list[Pooled]:
-        group = group or self.group
-        assert group is not None
-        try:
-            out = group.run(ids, lengths)
-        except WorkerDiedError as exc:
-            raise NotReadyError(f"model {self.name} is unavailable: {exc}") from None
-        return [Pooled(row) for row in out]
+    def _compute(self, ids: np.ndarray, lengths: np.ndarray, replica: int = 0) -> list[Pooled]:
+        return [Pooled(row) for row in self.replica_set.compute(replica, ids, lengths)]
 
     def truncation(self, opts: EmbedOptions) -> Truncation:
         enabled = self.settings.auto_truncate if opts.truncate is None else opts.truncate
@@ -434,6 +430,8 @@ class Engine:
 
     def info(self) -> dict[str, Any]:
         s = self.settings
+        # The first replica that serves (its workers' pids and parameter bytes).
+        first = next((r for r in self.replica_set.replicas if r.state == "ready"), None)
         return {
             "model": self.name,
             "served_model_names": self.served_names,
@@ -464,8 +462,10 @@ class Engine:
             "max_request_chars": s.max_request_chars,
             "bulk_aging_s": s.bulk_aging_s,
             "state": self.state,
-            "parameter_bytes_per_rank": [r["parameter_bytes"] for r in self.group.rank_info]
-            if self.group
+            "batch_timeout": self.replica_set.batch_timeouts[0] if self.replica_set.replicas else None,
+            "parameter_bytes_per_rank": [r["parameter_bytes"] for r in first.group.rank_info]
+            if first
             else [],
-            "worker_pids": [r["pid"] for r in self.group.rank_info] if self.group else [],
+            "worker_pids": [r["pid"] for r in first.group.rank_info] if first else [],
+            "replicas": self.replica_set.info(),
         }

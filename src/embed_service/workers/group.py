@@ -4,6 +4,11 @@ Every batch goes to all ranks; rank 0's result comes back. The group lives or di
 meet in collectives on every layer, so one lost rank leaves the others blocked. A watcher thread waits on
 every worker's process sentinel; the first worker to exit kills the rest and reports the death once
 (``on_death``), and a batch waiting on the group fails at once with ``WorkerDiedError`` instead of hanging.
+
+A hung group is declared dead the same way, by either of two clocks: a worker whose heartbeat stops for
+HEARTBEAT_TIMEOUT_S (stopped or frozen: its heartbeat thread runs beside any compute, see worker.py), or a
+batch unanswered after ``batch_timeout`` seconds (a hang the heartbeat cannot see: a deadlock in a
+collective, a stuck GPU). Dead groups are not reused; the owner starts a new one (engine/replicas.py).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import multiprocessing as mp
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -26,6 +32,11 @@ log = logging.getLogger(__name__)
 # How long a batch that lost its result pipe waits for the watcher to name the worker that died first
 # (rank 0's pipe also closes when another rank dies and rank 0 is killed in turn).
 _REASON_WAIT_S = 2.0
+# A worker's heartbeat (every 0.25 s) missing this long means it is stopped or frozen, not busy: with both
+# replicas computing 4,096-token batches back to back on 2 cores at load 8, the longest silence in 40 s was
+# 0.30 s.
+HEARTBEAT_TIMEOUT_S = 5.0
+_WATCH_INTERVAL_S = 0.5
 
 
 class WorkerDiedError(RuntimeError):
@@ -46,11 +57,18 @@ def describe_exit(rank: int, pid: int | None, exitcode: int | None) -> str:
 class WorkerGroup:
     """The worker processes of one model, started together and stopped together."""
 
-    def __init__(self, cfg: WorkerConfig, on_death: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        cfg: WorkerConfig,
+        on_death: Callable[[str], None] | None = None,
+        batch_timeout: float | None = None,
+    ):
         self.cfg = cfg
         self.on_death = on_death
+        self.batch_timeout = batch_timeout  # seconds; None: wait as long as the workers live
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
+        self.heartbeats: list[Any] = []  # one shared c_double per rank: its last beat (time.monotonic())
         self.rank_info: list[dict] = []
         self._lock = threading.Lock()  # one batch in flight
         self._death_lock = threading.Lock()
@@ -68,13 +86,18 @@ class WorkerGroup:
         ctx = mp.get_context("spawn")
         for rank in range(self.cfg.world_size):
             parent, child = ctx.Pipe()
+            heartbeat = ctx.RawValue("d", 0.0)  # 0: no beat yet (the interpreter is still starting)
             p = ctx.Process(
-                target=worker_main, args=(rank, self.cfg, child), name=f"embed-worker-{rank}", daemon=True
+                target=worker_main,
+                args=(rank, self.cfg, child, heartbeat),
+                name=f"embed-worker-{rank}",
+                daemon=True,
             )
             p.start()
             child.close()
             self.procs.append(p)
             self.conns.append(parent)
+            self.heartbeats.append(heartbeat)
 
     def wait_ready(self, on_log: Callable[[str], None]) -> None:
         """Block until every rank has loaded and warmed up; on a failure kill every rank, then raise."""
@@ -90,7 +113,11 @@ class WorkerGroup:
         info: dict[int, dict] = {}
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs)}
         while pending:
-            for obj in wait([*pending.values(), *sentinels]):
+            ready = wait([*pending.values(), *sentinels], timeout=_WATCH_INTERVAL_S)
+            silent = self._silent()
+            if silent is not None:  # stopped or frozen while loading: it would keep the others waiting
+                raise WorkerDiedError(silent + " while loading")
+            for obj in ready:
                 if isinstance(obj, Connection):
                     rank = self.conns.index(obj)
                     try:
@@ -113,15 +140,33 @@ class WorkerGroup:
                     raise self._exited(rank)
         self.rank_info = [info[r] for r in range(len(self.procs))]
 
+    def _silent(self) -> str | None:
+        """Names the first worker whose heartbeat has stopped, if any."""
+        now = time.monotonic()
+        for rank, heartbeat in enumerate(self.heartbeats):
+            last = heartbeat.value
+            if last and now - last > HEARTBEAT_TIMEOUT_S:
+                pid = self.procs[rank].pid
+                return f"worker {rank} (pid {pid}) stopped responding (no heartbeat for {now - last:.1f}s)"
+        return None
+
     def _exited(self, rank: int) -> WorkerDiedError:
         p = self.procs[rank]
         p.join(5)
         return WorkerDiedError(describe_exit(rank, p.pid, p.exitcode) + " while loading")
 
     def _watch(self) -> None:
-        ready = wait([p.sentinel for p in self.procs])
-        if self._closing:
-            return
+        sentinels = [p.sentinel for p in self.procs]
+        while True:
+            ready = wait(sentinels, timeout=_WATCH_INTERVAL_S)
+            if self._closing or self._dead.is_set():
+                return
+            if ready:
+                break
+            silent = self._silent()
+            if silent is not None:
+                self._die(silent)
+                return
         gone = [r for r, p in enumerate(self.procs) if p.sentinel in ready]
         for rank in gone:
             self.procs[rank].join(1)  # reap it, so its exit code is known
@@ -151,7 +196,7 @@ class WorkerGroup:
             if self.dead_reason is not None:
                 return
             self.dead_reason = reason
-        log.error("%s; killing the other workers; the model cannot serve", reason)
+        log.error("%s; killing the replica's workers", reason)
         self._kill_all(join=False)
         self._dead.set()
         if self.on_death and not self._closing:
@@ -169,9 +214,12 @@ class WorkerGroup:
             try:
                 for conn in self.conns:
                     conn.send(("run", ids, lengths))
-                msg = self.conns[0].recv()
+                msg = self._answer(int(ids.size))
             except (EOFError, OSError):
                 msg = ("fatal", "a worker exited during a batch")
+        if msg[0] == "hung":
+            self._die(msg[1])
+            raise WorkerDiedError(self.dead_reason)
         if msg[0] == "ok":
             return msg[1]
         if msg[0] == "error":  # one rank only: the batch failed, the worker lives on
@@ -183,6 +231,19 @@ class WorkerGroup:
         if not self._dead.wait(_REASON_WAIT_S):
             self._die(f"worker 0 failed during a batch: {msg[1]}")
         raise WorkerDiedError(self.dead_reason)
+
+    def _answer(self, tokens: int) -> tuple:
+        """Rank 0's answer to the batch just sent, or ("hung", reason) past the batch deadline."""
+        conn = self.conns[0]
+        if self.batch_timeout is None:
+            return conn.recv()
+        if conn.poll(self.batch_timeout):
+            return conn.recv()
+        return (
+            "hung",
+            f"worker 0 (pid {self.procs[0].pid}) did not answer a batch of {tokens} tokens within "
+            f"{self.batch_timeout:.3g}s (--batch-timeout)",
+        )
 
     def _kill_all(self, join: bool = True) -> None:
         # Killing every rank closes their pipe ends, so a batch blocked on a result gets EOF at once.

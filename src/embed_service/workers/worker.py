@@ -3,6 +3,10 @@
 Messages in: ("run", ids (T,) int32, lengths (B,) int32) or ("stop",). Messages out: ("log", text) and
 ("ready", info) while starting; then, from rank 0 only, ("ok", pooled (B, D) float32) or ("error", text)
 per batch. A parent that goes away closes the pipe, and the worker exits.
+
+A heartbeat thread writes the monotonic clock into a shared double every HEARTBEAT_INTERVAL_S: the group's
+watcher reads it to tell a stopped or frozen worker (SIGSTOP, a frozen cgroup) from a busy one, which keeps
+beating while its compute threads run (torch releases the GIL inside its ops).
 """
 
 from __future__ import annotations
@@ -10,11 +14,15 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from typing import Any
+
+HEARTBEAT_INTERVAL_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -49,13 +57,26 @@ def die_with_parent() -> None:
         os._exit(1)  # the parent went before the request took effect
 
 
-def worker_main(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
+def beat(heartbeat: Any) -> None:
+    """Write the clock into `heartbeat` (a shared c_double) for as long as the process runs."""
+
+    def loop() -> None:
+        while True:
+            heartbeat.value = time.monotonic()
+            time.sleep(HEARTBEAT_INTERVAL_S)
+
+    threading.Thread(target=loop, name="heartbeat", daemon=True).start()
+
+
+def worker_main(rank: int, cfg: WorkerConfig, conn: Connection, heartbeat: Any = None) -> None:
     # The server decides when its workers stop ("stop", or its pipe closing). A signal sent to the whole
     # process group (Ctrl-C in a terminal, systemd stopping a unit's control group) must start the
     # server's drain, not kill the workers under the requests it is finishing.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     die_with_parent()
+    if heartbeat is not None:
+        beat(heartbeat)
     try:
         _serve(rank, cfg, conn)
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
@@ -113,10 +134,24 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
     import numpy as np
 
     t1 = time.perf_counter()
-    for n in (spec.max_input_length, 16):  # the longest shape once, then a short one
-        run(np.ones(n * 2, dtype=np.int32), np.array([n, n], dtype=np.int32))
+    n = spec.max_input_length  # the longest shape once, then a short one
+    run(np.ones(n * 2, dtype=np.int32), np.array([n, n], dtype=np.int32))
+    longest_s = time.perf_counter() - t1  # first use included: an upper bound for the shape
+    run(np.ones(32, dtype=np.int32), np.array([16, 16], dtype=np.int32))
     say(f"warm-up done in {time.perf_counter() - t1:.1f}s")
-    conn.send(("ready", {"rank": rank, "parameter_bytes": model.parameter_bytes(), "pid": os.getpid()}))
+    conn.send(
+        (
+            "ready",
+            {
+                "rank": rank,
+                "parameter_bytes": model.parameter_bytes(),
+                "pid": os.getpid(),
+                # Seconds per token of the longest inputs (the dearest per token): what the batch
+                # deadline is derived from.
+                "warmup_seconds_per_token": longest_s / (2 * spec.max_input_length),
+            },
+        )
+    )
 
     while True:
         msg = conn.recv()
