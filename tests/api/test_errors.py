@@ -162,19 +162,22 @@ def queued(server) -> bool:
 
 
 def test_429_past_max_concurrent_requests_with_retry_after():
-    # One sequence per batch makes a 16-input request take a while; meanwhile the limit of 16 is full
-    # (no capacity reserved for interactive requests here: tests/engine/test_admission.py covers that).
+    # One sequence per batch makes a 64-input request take a while; admitted piecewise, it keeps the limit
+    # of 16 full until its last 16 inputs are in (no capacity reserved for interactive requests here:
+    # tests/engine/test_admission.py covers that).
     with ServerProcess(
         "--dtype",
         "float32",
         "--max-concurrent-requests",
         "16",
+        "--max-client-batch-size",
+        "64",
         "--max-batch-requests",
         "1",
         "--interactive-reserved-inputs",
         "0",
     ) as s:
-        big = {"input": ["a long input to keep the worker busy " * 10] * 16}
+        big = {"input": ["a long input to keep the worker busy " * 10] * 64}
         done: dict = {}
         t = threading.Thread(
             target=lambda: done.setdefault("r", httpx.post(s.url + "/v1/embeddings", json=big, timeout=300))
@@ -195,5 +198,5 @@ def test_429_past_max_concurrent_requests_with_retry_after():
         err = assert_error(rejected, 429)
         assert err["type"] == "rate_limit_error"
         assert int(rejected.headers["Retry-After"]) >= 1
-        assert done["r"].status_code == 200 and len(done["r"].json()["data"]) == 16
+        assert done["r"].status_code == 200 and len(done["r"].json()["data"]) == 64
         assert httpx.post(s.url + "/v1/embeddings", json={"input": "after"}).status_code == 200
