@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -163,50 +162,44 @@ def queued(server) -> bool:
     )
 
 
-def in_flight(server) -> float:
-    text = httpx.get(server.url + "/metrics").text
-    return sum(
-        float(line.split()[-1]) for line in text.splitlines() if line.startswith("embed_inputs_in_flight{")
-    )
-
-
 def test_429_past_max_concurrent_requests_with_retry_after():
-    # A 16-input request fills the limit of 16 (no capacity reserved for interactive requests here:
-    # tests/engine/test_admission.py covers that). Inputs leave the limit as they are answered (piecewise
-    # admission), so the one worker is held still from before the big request until the next one has its
-    # answer: the limit is full then however fast this machine is.
+    # One sequence per batch makes a 64-input request take a while; admitted piecewise, it keeps the limit
+    # of 16 full until its last 16 inputs are in (no capacity reserved for interactive requests here:
+    # tests/engine/test_admission.py covers that).
     with ServerProcess(
         "--dtype",
         "float32",
         "--max-concurrent-requests",
         "16",
-        "--data-parallel-size",
+        "--max-client-batch-size",
+        "64",
+        "--max-batch-requests",
         "1",
         "--interactive-reserved-inputs",
         "0",
     ) as s:
-        pids = httpx.get(s.url + "/info").json()["worker_pids"]
-        big = {"input": ["a long input to keep the worker busy " * 10] * 16}
+        big = {"input": ["a long input to keep the worker busy " * 10] * 64}
         done: dict = {}
         t = threading.Thread(
             target=lambda: done.setdefault("r", httpx.post(s.url + "/v1/embeddings", json=big, timeout=300))
         )
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        try:
-            t.start()
-            deadline = time.monotonic() + 60
-            while in_flight(s) < 16 and t.is_alive() and time.monotonic() < deadline:  # the big one is in
-                time.sleep(0.005)
-            rejected = httpx.post(s.url + "/v1/embeddings", json={"input": "one more"}, timeout=60)
-        finally:
-            for pid in pids:
-                os.kill(pid, signal.SIGCONT)
+        t.start()
+        deadline = time.monotonic() + 60
+        while not queued(s) and t.is_alive() and time.monotonic() < deadline:  # the big one is admitted
+            time.sleep(0.005)
+        rejected = None
+        deadline = time.monotonic() + 60
+        while rejected is None and t.is_alive() and time.monotonic() < deadline:
+            r = httpx.post(s.url + "/v1/embeddings", json={"input": "one more"}, timeout=60)
+            if r.status_code == 429:
+                rejected = r
+            time.sleep(0.01)
         t.join()
+        assert rejected is not None, "no request was refused while the limit was full"
         err = assert_error(rejected, 429)
         assert err["type"] == "rate_limit_error"
         assert int(rejected.headers["Retry-After"]) >= 1
-        assert done["r"].status_code == 200 and len(done["r"].json()["data"]) == 16
+        assert done["r"].status_code == 200 and len(done["r"].json()["data"]) == 64
         assert httpx.post(s.url + "/v1/embeddings", json={"input": "after"}).status_code == 200
 
 

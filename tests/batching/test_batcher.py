@@ -120,6 +120,7 @@ class RaisesOnce(PriorityFirst):
     """A policy with a bug: the first batch it forms takes a sequence out of the lane, then raises."""
 
     def __init__(self):
+        super().__init__()
         self.raised = False
 
     def take_lanes(self, priority, bulk, *args, **kwargs):
