@@ -47,7 +47,17 @@ class Settings(BaseSettings):
     ``http://otel-collector:4318``; ``/v1/traces`` is added). Needs the ``otel`` extra. Default: no tracing."""
 
     api_key: str | None = None
-    """When set, requests must carry ``Authorization: Bearer <key>`` (/live, /health and /metrics stay open)."""
+    """When set, requests must carry ``Authorization: Bearer <key>`` (/live, /health and /metrics stay open).
+    Several keys: separate them with commas. On the command line a key is visible to every local user (the
+    process list): pass it in ``EMBED_API_KEY`` or in ``--api-key-file`` instead."""
+
+    api_key_file: str | None = None
+    """A file of accepted API keys, one per line (blank lines and ``#`` comments skipped), read at start-up;
+    adds to ``--api-key``. Keep it readable by the server's user only."""
+
+    docs: bool = True
+    """Serve the API description: /openapi.json, Swagger UI at /docs and ReDoc at /redoc, with their assets
+    (no CDN), behind the API key when one is set."""
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the model runs: ``auto`` picks CUDA when a GPU is visible, else the CPU."""
@@ -141,6 +151,24 @@ class Settings(BaseSettings):
             raise ValueError("must be more than 0 seconds")
         return v
 
+    max_header_bytes: int = 32 * 1024
+    """Largest request head (request line and headers); a larger one gets 431 and the connection is closed."""
+
+    header_timeout: float = 10.0
+    """Seconds to receive a request head, counted from the connection's opening (or, on a kept-alive
+    connection, from the head's first byte); past it the connection is closed (408 when part of a head came)."""
+
+    body_timeout: float = 60.0
+    """Seconds to receive a whole request body once its head is in; past it the request gets 408 and the
+    connection is closed."""
+
+    keep_alive_timeout: float = 5.0
+    """Seconds an idle kept-alive connection stays open between requests."""
+
+    max_connections: int = 1024
+    """Open client connections; a request on a connection past it gets 503 with ``Retry-After`` and the
+    connection is closed. Lowered at start-up to what the open-file limit allows (with a warning)."""
+
     @field_validator("served_model_name", mode="before")
     @classmethod
     def _split_names(cls, v: object) -> object:
@@ -170,6 +198,15 @@ class Settings(BaseSettings):
     def _port_range(cls, v: int) -> int:
         if not 0 <= v <= 65535:
             raise ValueError("port must be in 0..65535")
+        return v
+
+    @field_validator(
+        "max_header_bytes", "header_timeout", "body_timeout", "keep_alive_timeout", "max_connections"
+    )
+    @classmethod
+    def _positive_http_limit(cls, v: float) -> float:
+        if not v > 0:  # NaN too
+            raise ValueError("must be positive")
         return v
 
     @field_validator(

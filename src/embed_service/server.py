@@ -24,6 +24,7 @@ import uvicorn
 
 from embed_service import observability
 from embed_service.api.app import create_app
+from embed_service.api.http_limits import uvicorn_options
 from embed_service.config import DEFAULT_MODEL_NAME, Settings
 from embed_service.engine.engine import Engine
 from embed_service.model_source import ModelSourceError, resolve_model
@@ -153,6 +154,7 @@ def serve(settings: Settings) -> int:
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=int(settings.drain_timeout) + 5,
+        **uvicorn_options(settings),
     )
     server = DrainingServer(config, app.state.server, settings.drain_timeout)
     app.state.server.on_fatal.append(server.fatal)

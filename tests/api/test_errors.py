@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -200,3 +201,27 @@ def test_429_past_max_concurrent_requests_with_retry_after():
         assert int(rejected.headers["Retry-After"]) >= 1
         assert done["r"].status_code == 200 and len(done["r"].json()["data"]) == 64
         assert httpx.post(s.url + "/v1/embeddings", json={"input": "after"}).status_code == 200
+
+
+def test_every_503_carries_retry_after():
+    with ServerProcess("--dtype", "float32", "--max-batch-requests", "1") as s:
+        long = {"input": ["an input that keeps the server busy while it drains " * 4] * 40}
+        done: dict = {}
+        t = threading.Thread(
+            target=lambda: done.setdefault("r", httpx.post(s.url + "/v1/embeddings", json=long, timeout=300))
+        )
+        t.start()
+        deadline = time.monotonic() + 60
+        while not queued(s) and t.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        s.proc.send_signal(signal.SIGTERM)  # drains: the long request is finished, nothing new admitted
+        time.sleep(0.2)
+        refused = post(s, {"input": "during the drain"}, headers={})
+        health = httpx.get(s.url + "/health")
+        t.join()
+        assert done["r"].status_code == 200, "the drain finishes what it admitted"
+        err = assert_error(refused, 503)
+        assert err["type"] == "service_unavailable"
+        assert int(refused.headers["Retry-After"]) >= 1
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+        assert int(health.headers["Retry-After"]) >= 1

@@ -13,9 +13,11 @@ from typing import Any
 from fastapi import FastAPI
 
 from embed_service import __version__, metrics
+from embed_service.api import docs, openapi
 from embed_service.api.access_log import AccessLogMiddleware, telemetry_config
+from embed_service.api.auth import ApiKeys, load_api_keys
 from embed_service.api.errors import install_handlers
-from embed_service.api.routes import router
+from embed_service.api.routes import check_api_key, router
 from embed_service.config import Settings
 from embed_service.engine.engine import Engine
 from embed_service.engine.errors import ModelNotFoundError
@@ -47,9 +49,10 @@ class Models:
 class ServerState:
     """What the routes and the process runner share."""
 
-    def __init__(self, settings: Settings, models: Models):
+    def __init__(self, settings: Settings, models: Models, api_keys: ApiKeys):
         self.settings = settings
         self.models = models
+        self.api_keys = api_keys
         self.draining = False
         self.fatal: str | None = None
         self.on_fatal: list[Any] = []
@@ -61,7 +64,7 @@ class ServerState:
 
 
 def create_app(settings: Settings, engines: list[Engine]) -> FastAPI:
-    state = ServerState(settings, Models(engines))
+    state = ServerState(settings, Models(engines), load_api_keys(settings))
 
     def fatal(reason: str) -> None:
         state.fatal = reason
@@ -97,10 +100,23 @@ def create_app(settings: Settings, engines: list[Engine]) -> FastAPI:
             await asyncio.gather(task, return_exceptions=True)
             await asyncio.gather(*(e.close() for e in engines), return_exceptions=True)
 
-    app = FastAPI(title="embed-service", version=__version__, lifespan=lifespan, telemetry=telemetry_config())
+    # FastAPI's own /docs, /redoc and /openapi.json are open to all and load their assets from a CDN:
+    # docs.router serves them behind the key, with packaged assets.
+    app = FastAPI(
+        title="embed-service",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        telemetry=telemetry_config(),
+    )
     app.state.server = state
     install_handlers(app)
     app.include_router(router)
+    if settings.docs:
+        app.include_router(docs.router)
+    openapi.install(app, router, check_api_key, bool(state.api_keys))
     app.add_middleware(MetricsMiddleware, default_model=engines[0].name)
     app.add_middleware(AccessLogMiddleware)  # added last: outermost
     return app

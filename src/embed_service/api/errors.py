@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from embed_service.engine.errors import (
@@ -25,6 +26,8 @@ from embed_service.engine.errors import (
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_SECONDS = 1
+RETRY_AFTER = {"Retry-After": str(RETRY_AFTER_SECONDS)}
+CLIENT_CLOSED = 499  # nginx's "client closed request": recorded in the metrics, never seen by a client
 
 
 class APIError(Exception):
@@ -52,7 +55,38 @@ def unauthorized() -> APIError:
         "missing or invalid API key: send 'Authorization: Bearer <key>'",
         "authentication_error",
         code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
     )
+
+
+def unsupported_media_type(content_type: str | None) -> APIError:
+    got = f"'{content_type}'" if content_type else "none"
+    return APIError(
+        415,
+        f"the body must be JSON, sent with 'Content-Type: application/json' (got {got})",
+        "invalid_request_error",
+        code="unsupported_media_type",
+    )
+
+
+def request_timeout(seconds: float) -> APIError:
+    # The rest of the body may still be on its way: the connection cannot carry another request.
+    return APIError(
+        408,
+        f"the request body was not received within {seconds:g} s",
+        "invalid_request_error",
+        code="request_timeout",
+        headers={"Connection": "close"},
+    )
+
+
+def client_closed() -> APIError:
+    return APIError(CLIENT_CLOSED, "client closed the request", "invalid_request_error")
+
+
+def unavailable(message: str, code: str = "unavailable") -> APIError:
+    """Every 503 goes through here, so every 503 carries Retry-After."""
+    return APIError(503, message, "service_unavailable", code=code, headers=dict(RETRY_AFTER))
 
 
 def too_large(limit: int) -> APIError:
@@ -70,21 +104,9 @@ def from_engine(exc: EngineError) -> APIError:
     if isinstance(exc, ModelNotFoundError):
         return APIError(404, str(exc), "invalid_request_error", "model", "model_not_found")
     if isinstance(exc, OverloadedError):
-        return APIError(
-            429,
-            str(exc),
-            "rate_limit_error",
-            code="overloaded",
-            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-        )
+        return APIError(429, str(exc), "rate_limit_error", code="overloaded", headers=dict(RETRY_AFTER))
     if isinstance(exc, NotReadyError):
-        return APIError(
-            503,
-            str(exc),
-            "service_unavailable",
-            code="unavailable",
-            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-        )
+        return unavailable(str(exc))
     return APIError(500, "internal error", "server_error")
 
 
@@ -97,10 +119,15 @@ def from_validation(exc: ValidationError | RequestValidationError) -> APIError:
     return invalid_request(f"{where}: {msg}" if where else msg, param)
 
 
+def error_body(err: APIError) -> bytes:
+    return orjson.dumps(
+        {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+    )
+
+
 def error_response(err: APIError) -> Response:
-    body = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
     return Response(
-        orjson.dumps(body), status_code=err.status, media_type="application/json", headers=err.headers
+        error_body(err), status_code=err.status, media_type="application/json", headers=err.headers
     )
 
 
@@ -108,6 +135,12 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api(_: Request, exc: APIError) -> Response:
         return error_response(exc)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_: Request, __: ClientDisconnect) -> Response:
+        # Whatever part of a route saw the disconnect: a 499 (its one line is the access line), not a
+        # traceback and a 500.
+        return error_response(client_closed())
 
     @app.exception_handler(EngineError)
     async def _engine(_: Request, exc: EngineError) -> Response:

@@ -1,4 +1,8 @@
-"""The HTTP routes. Thin: parse, ask the engine, shape the answer. No tensors here."""
+"""The HTTP routes. Thin: parse, ask the engine, shape the answer. No tensors here.
+
+Bodies are read and parsed by hand (`read_json`: orjson, the size limit while reading, 400 never 422); the
+decorators only declare them, and every error a route can give, for /openapi.json.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +16,33 @@ import orjson
 from fastapi import APIRouter, Depends, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
-from starlette.responses import Response
+from starlette.requests import ClientDisconnect
+from starlette.responses import PlainTextResponse, Response
 
 from embed_service import __version__, metrics
 from embed_service.api.access_log import note
-from embed_service.api.errors import APIError, from_validation, invalid_request, too_large, unauthorized
-from embed_service.api.schemas import EmbeddingRequest, TokenizeRequest
+from embed_service.api.errors import (
+    RETRY_AFTER,
+    client_closed,
+    from_validation,
+    invalid_request,
+    request_timeout,
+    too_large,
+    unauthorized,
+    unavailable,
+    unsupported_media_type,
+)
+from embed_service.api.openapi import errors, json_body, ok, unready
+from embed_service.api.schemas import (
+    EmbeddingRequest,
+    EmbeddingResponse,
+    Health,
+    Info,
+    Live,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from embed_service.engine.engine import EmbedOptions, Engine
 
 router = APIRouter()
@@ -30,19 +55,20 @@ def server(request: Request) -> Any:
 
 
 def check_api_key(request: Request) -> None:
-    key = server(request).settings.api_key
-    if key and request.headers.get("authorization", "") != f"Bearer {key}":
+    keys = server(request).api_keys
+    if keys and not keys.accepts(request.headers.get("authorization")):
         raise unauthorized()
 
 
 Authorized = Annotated[None, Depends(check_api_key)]
 
 
-def json_response(body: Any, status: int = 200) -> Response:
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(
         orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
         status_code=status,
         media_type="application/json",
+        headers=headers,
     )
 
 
@@ -62,20 +88,41 @@ def base64_rows(vectors: np.ndarray) -> list[str]:
     return [text[i * step : (i + 1) * step] for i in range(n)]
 
 
-async def read_json(request: Request, schema: type[M]) -> M:
-    """The body, parsed and validated; oversize bodies are refused before they are read whole."""
-    limit = server(request).settings.max_request_bytes
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise too_large(limit)
+def is_json(content_type: str | None) -> bool:
+    """``application/json``, parameters (``; charset=utf-8``) allowed. Anything else is refused, which also
+    keeps a page on another site from posting here with a form or a CORS-free ``text/plain`` request."""
+    return content_type is not None and content_type.partition(";")[0].strip().lower() == "application/json"
+
+
+async def read_body(request: Request, limit: int) -> bytes:
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise too_large(limit)
         chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_json(request: Request, schema: type[M]) -> M:
+    """The body, parsed and validated; oversize bodies are refused before they are read whole, and a body
+    that does not arrive within --body-timeout gets 408."""
+    settings = server(request).settings
+    content_type = request.headers.get("content-type")
+    if not is_json(content_type):
+        raise unsupported_media_type(content_type)
+    limit = settings.max_request_bytes
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise too_large(limit)
     try:
-        data = orjson.loads(b"".join(chunks))
+        raw = await asyncio.wait_for(read_body(request, limit), settings.body_timeout)
+    except asyncio.TimeoutError:
+        raise request_timeout(settings.body_timeout) from None
+    except ClientDisconnect:
+        raise client_closed() from None
+    try:
+        data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise invalid_request(f"the body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
@@ -105,7 +152,7 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
         return await task
     except asyncio.CancelledError:
         if gone:  # nobody is listening; 499 (client closed request) is what the metrics record
-            raise APIError(499, "client closed the request", "invalid_request_error") from None
+            raise client_closed() from None
         raise
     finally:
         watcher.cancel()
@@ -114,13 +161,18 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 def serving(request: Request, name: str | None) -> Engine:
     state = server(request)
     if state.draining:
-        raise APIError(503, "the server is shutting down", "service_unavailable", code="unavailable")
+        raise unavailable("the server is shutting down")
     engine = state.models.get(name)
     request.scope.setdefault("state", {})["model"] = engine.name
     return engine
 
 
-@router.post("/v1/embeddings")
+@router.post(
+    "/v1/embeddings",
+    summary="Embed texts or token ids (OpenAI embeddings API)",
+    openapi_extra=json_body(EmbeddingRequest, {"input": ["hello world", "a second text"]}),
+    responses={**ok(EmbeddingResponse), **errors(400, 404, 408, 413, 415, 429, 500, 503)},
+)
 @router.post("/embeddings", include_in_schema=False)
 async def embeddings(request: Request, _: Authorized) -> Response:
     body = await read_json(request, EmbeddingRequest)
@@ -156,7 +208,12 @@ async def embeddings(request: Request, _: Authorized) -> Response:
     )
 
 
-@router.post("/tokenize")
+@router.post(
+    "/tokenize",
+    summary="The token ids /v1/embeddings would embed",
+    openapi_extra=json_body(TokenizeRequest, {"input": "hello world"}),
+    responses={**ok(TokenizeResponse), **errors(400, 404, 408, 413, 415, 429, 500, 503)},
+)
 async def tokenize(request: Request, _: Authorized) -> Response:
     body = await read_json(request, TokenizeRequest)
     note(request, inputs=len(body.input))
@@ -174,7 +231,7 @@ async def tokenize(request: Request, _: Authorized) -> Response:
     )
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", summary="The served model names", responses=ok(ModelList))
 @router.get("/models", include_in_schema=False)
 async def models(request: Request, _: Authorized) -> Response:
     state = server(request)
@@ -189,7 +246,7 @@ async def models(request: Request, _: Authorized) -> Response:
     )
 
 
-@router.get("/info")
+@router.get("/info", summary="What the server detected and resolved", responses=ok(Info))
 async def info(request: Request, _: Authorized) -> Response:
     state = server(request)
     body = state.models.default.info()
@@ -199,27 +256,36 @@ async def info(request: Request, _: Authorized) -> Response:
     return json_response(body)
 
 
-@router.get("/live")
+@router.get("/live", summary="Liveness: 200 while the process answers", responses=ok(Live))
 async def live() -> Response:
     return json_response({"status": "alive"})
 
 
-@router.get("/health")
+@router.get(
+    "/health",
+    summary="Readiness: 200 only while the model serves",
+    responses={**ok(Health), **unready(Health)},
+)
 async def health(request: Request) -> Response:
     state = server(request)
     if state.draining:
-        return json_response({"status": "draining"}, 503)
+        return json_response({"status": "draining"}, 503, RETRY_AFTER)
     if state.fatal:
-        return json_response({"status": "unhealthy", "reason": state.fatal}, 503)
+        return json_response({"status": "unhealthy", "reason": state.fatal}, 503, RETRY_AFTER)
     # 503 only while a model has no replica that can serve; one restarting beside a serving one is fine.
     restarting = [e for e in state.models.engines if e.state == "restarting"]
     if restarting:
-        return json_response({"status": "restarting", "reason": restarting[0].failure}, 503)
+        return json_response({"status": "restarting", "reason": restarting[0].failure}, 503, RETRY_AFTER)
     if not state.models.ready:
-        return json_response({"status": "loading"}, 503)
+        return json_response({"status": "loading"}, 503, RETRY_AFTER)
     return json_response({"status": "ok"})
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics",
+    response_class=PlainTextResponse,
+    responses={200: {"description": "Prometheus text format", "content": {"text/plain": {}}}},
+)
 async def prometheus() -> Response:
     return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)

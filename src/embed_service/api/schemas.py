@@ -1,10 +1,36 @@
-"""Request bodies, validated strictly so every malformed field is a clear 400."""
+"""Request bodies, validated strictly so every malformed field is a clear 400, and the response bodies.
+
+The routes parse bodies by hand (orjson, a size limit while reading, 400 never 422); these models validate
+what was parsed and describe the API in /openapi.json. `input` is checked by `_check_input`, which accepts
+more shapes than the annotation says, so its JSON Schema is given explicitly.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    WithJsonSchema,
+    field_validator,
+)
+
+_TEXT = {"type": "string", "minLength": 1}
+_TEXTS = {"type": "array", "minItems": 1, "items": _TEXT}
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+EMBED_INPUT = WithJsonSchema(
+    {
+        "anyOf": [_TEXT, _TEXTS, _TOKEN_IDS, {"type": "array", "minItems": 1, "items": _TOKEN_IDS}],
+        "description": "A text, a list of texts, a list of token ids, or a list of token-id lists. At most "
+        "--max-client-batch-size inputs; token ids must lie in the model's vocabulary.",
+    }
+)
+TEXT_INPUT = WithJsonSchema({"anyOf": [_TEXT, _TEXTS], "description": "A text or a list of texts."})
 
 
 def _check_input(v: Any) -> list[str] | list[list[int]]:
@@ -46,17 +72,24 @@ def _is_int(x: Any) -> bool:
 class EmbeddingRequest(BaseModel):
     """POST /v1/embeddings, per the OpenAI spec, plus the documented extensions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", use_attribute_docstrings=True)
 
-    input: list[str] | list[list[int]]
+    input: Annotated[list[str] | list[list[int]], EMBED_INPUT]
     model: str | None = None
+    """A served model name; default: the first served model."""
     encoding_format: Literal["float", "base64"] | None = None
-    dimensions: StrictInt | None = None
+    """``base64``: each vector as base64 of little-endian float32 bytes. Default: float."""
+    dimensions: StrictInt | None = Field(None, json_schema_extra={"minimum": 1})
+    """Keep the first N features (at most the model's dimension), then re-normalize."""
     user: str | None = None
+    """Accepted and ignored."""
     # Extensions
     truncate: StrictBool | None = None
+    """Cut inputs past the max input length (default: the server's --auto-truncate); false: 400."""
     truncation_direction: Literal["right", "left"] = "right"
+    """Which end of the content is cut; special tokens are kept."""
     normalize: StrictBool | None = None
+    """L2-normalize the vectors. Default: the model's."""
     prompt_name: StrictStr | None = None
     """One of the model's named prompts (config_sentence_transformers.json), prepended to text inputs."""
     prompt: StrictStr | None = None
@@ -71,9 +104,9 @@ class EmbeddingRequest(BaseModel):
 class TokenizeRequest(BaseModel):
     """POST /tokenize: the ids /v1/embeddings would embed."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", use_attribute_docstrings=True)
 
-    input: list[str]
+    input: Annotated[list[str], TEXT_INPUT]
     model: str | None = None
     truncate: StrictBool | None = None
     truncation_direction: Literal["right", "left"] = "right"
@@ -87,3 +120,84 @@ class TokenizeRequest(BaseModel):
         if not isinstance(out[0], str):
             raise ValueError("must be a string or a list of strings")
         return out
+
+
+# Responses (documentation only: the routes write their bodies with orjson).
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error: the OpenAI shape."""
+
+    error: ErrorDetail
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str
+    """Floats, or with ``encoding_format: base64`` the base64 of little-endian float32 bytes."""
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: Usage
+
+
+class TokenizedInput(BaseModel):
+    index: int
+    tokens: list[int]
+    count: int
+
+
+class TokenizeResponse(BaseModel):
+    data: list[TokenizedInput]
+    model: str
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Info(BaseModel):
+    """What the server detected and resolved; see docs/api.md for every field."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    served_model_names: list[str]
+    dimension: int
+    max_input_length: int
+    state: str
+    version: str
+
+
+class Health(BaseModel):
+    status: Literal["ok", "loading", "draining", "restarting", "unhealthy"]
+    reason: str | None = None
+
+
+class Live(BaseModel):
+    status: Literal["alive"]
