@@ -14,11 +14,14 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
     StrictStr,
     WithJsonSchema,
     field_validator,
 )
+
+from embed_service.api.encodings import EmbedDtype
 
 _TEXT = {"type": "string", "minLength": 1}
 _TEXTS = {"type": "array", "minItems": 1, "items": _TEXT}
@@ -65,6 +68,24 @@ def _check_input(v: Any) -> list[str] | list[list[int]]:
     raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
 
 
+_NUMBER = {"type": "number"}
+_NUMBERS = {"type": "array", "minItems": 1, "items": _NUMBER}
+EmbedRanges = Annotated[
+    tuple[StrictFloat | StrictInt, StrictFloat | StrictInt]
+    | tuple[list[StrictFloat | StrictInt], list[StrictFloat | StrictInt]],
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "array", "minItems": 2, "maxItems": 2, "items": _NUMBER},
+                {"type": "array", "minItems": 2, "maxItems": 2, "items": _NUMBERS},
+            ],
+            "description": "[low, high] for every dimension, or [[lows...], [highs...]] with one per "
+            "output dimension; each low at most its high.",
+        }
+    ),
+]
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -78,7 +99,8 @@ class EmbeddingRequest(BaseModel):
     model: str | None = None
     """A served model name; default: the first served model."""
     encoding_format: Literal["float", "base64"] | None = None
-    """``base64``: each vector as base64 of little-endian float32 bytes. Default: float."""
+    """``base64``: each vector as base64 of its little-endian bytes (float32 unless embed_dtype says).
+    Default: float (JSON numbers)."""
     dimensions: StrictInt | None = Field(None, json_schema_extra={"minimum": 1})
     """Keep the first N features (at most the model's dimension), then re-normalize."""
     user: str | None = None
@@ -94,6 +116,10 @@ class EmbeddingRequest(BaseModel):
     """One of the model's named prompts (config_sentence_transformers.json), prepended to text inputs."""
     prompt: StrictStr | None = None
     """A raw prefix for text inputs, instead of a named prompt."""
+    embed_dtype: EmbedDtype = "float32"
+    """The type of each value (after dimensions and normalization): see docs/api.md, Compact encodings."""
+    embed_ranges: EmbedRanges | None = None
+    """int8/uint8 only: [low, high] for every dimension, or [[lows...], [highs...]]. Default [-1, 1]."""
 
     @field_validator("input", mode="before")
     @classmethod
@@ -142,7 +168,8 @@ class Embedding(BaseModel):
     object: Literal["embedding"]
     index: int
     embedding: list[float] | str
-    """Floats, or with ``encoding_format: base64`` the base64 of little-endian float32 bytes."""
+    """Numbers (integers for the integer and bit embed_dtypes), or with ``encoding_format: base64`` the
+    base64 of the vector's little-endian bytes."""
 
 
 class Usage(BaseModel):
