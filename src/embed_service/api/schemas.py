@@ -228,3 +228,100 @@ class Health(BaseModel):
 
 class Live(BaseModel):
     status: Literal["alive"]
+
+
+# Cohere's embed API (POST /v2/embed and /v1/embed): api/cohere.py; docs/api.md says what maps to what.
+
+CohereEmbeddingType = Literal["float", "int8", "uint8", "binary", "ubinary", "base64"]
+
+
+class CohereContent(BaseModel):
+    """One part of a Cohere input; only text parts can be embedded here."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "image_url"]
+    text: StrictStr | None = None
+
+
+class CohereInput(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    content: list[CohereContent] = Field(min_length=1)
+
+
+class CohereEmbedRequest(BaseModel):
+    """POST /v2/embed (and /v1/embed), per Cohere's API, plus ``embed_ranges``."""
+
+    model_config = ConfigDict(extra="ignore", use_attribute_docstrings=True)
+
+    model: str | None = None
+    """A served model name; default: the first served model."""
+    texts: Annotated[list[str] | None, WithJsonSchema({**_TEXTS, "description": "The texts to embed."})] = (
+        None
+    )
+    inputs: list[CohereInput] | None = Field(None, min_length=1)
+    """Instead of texts: inputs of text parts (the parts of one input are joined by newlines)."""
+    images: list[Any] | None = None
+    """Refused when not empty: only text models are served."""
+    input_type: Literal["search_query", "search_document", "classification", "clustering", "image"] | None = (
+        None
+    )
+    """Selects the model's prompt of that purpose (docs/api.md); ``image`` is refused."""
+    embedding_types: list[CohereEmbeddingType] | None = Field(None, min_length=1)
+    """The encodings to return, each under its own key; default ``["float"]``."""
+    output_dimension: StrictInt | None = Field(None, json_schema_extra={"minimum": 1})
+    """Keep the first N features (at most the model's dimension), then re-normalize."""
+    truncate: Literal["NONE", "START", "END"] | None = None
+    """END (default): cut the end of a long input; START: cut its start; NONE: refuse it (400)."""
+    max_tokens: StrictInt | None = Field(None, json_schema_extra={"minimum": 1})
+    """Accepted only when at least the model's max input length (which is what applies)."""
+    priority: StrictInt | None = None
+    """Accepted and ignored."""
+    embed_ranges: EmbedRanges | None = None
+    """int8/uint8 only: as on /v1/embeddings. Default [-1, 1] for every dimension."""
+
+    @field_validator("texts", mode="before")
+    @classmethod
+    def _texts(cls, v: Any) -> Any:
+        if not isinstance(v, list):  # null included: leave texts out to send inputs
+            raise ValueError("must be a list of strings")
+        out = _check_input(v)
+        if not isinstance(out[0], str):
+            raise ValueError("must be a list of strings")
+        return out
+
+
+class CohereEmbeddings(BaseModel):
+    """One list per asked-for type, each with a vector per input."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    float_: list[list[float]] | None = Field(None, alias="float")
+    int8: list[list[int]] | None = None
+    uint8: list[list[int]] | None = None
+    binary: list[list[int]] | None = None
+    ubinary: list[list[int]] | None = None
+    base64: list[str] | None = None
+    """Each vector's little-endian float32 bytes."""
+
+
+class CohereBilledUnits(BaseModel):
+    input_tokens: int
+
+
+class CohereMeta(BaseModel):
+    api_version: dict[str, str]
+    billed_units: CohereBilledUnits
+    tokens: CohereBilledUnits
+
+
+class CohereEmbedResponse(BaseModel):
+    """``embeddings_by_type`` (every /v2/embed answer, and /v1/embed's with embedding_types), or
+    ``embeddings_floats`` (/v1/embed without embedding_types: the float vectors as a list)."""
+
+    response_type: Literal["embeddings_by_type", "embeddings_floats"]
+    id: str
+    embeddings: CohereEmbeddings | list[list[float]]
+    texts: list[str]
+    meta: CohereMeta
