@@ -38,6 +38,8 @@ def server(tmp_path_factory, default_model_path):
         "minilm",
         "--dtype",
         "float32",
+        "--max-client-batch-size",
+        "16",
         env={"EMBED_API_KEY": KEY},
     ) as s:
         yield s
@@ -173,3 +175,13 @@ def test_errors_raise_the_clients_exceptions(client, server):
     ]:
         r = httpx.post(server.url + "/v2/embed", json=body, headers={"Authorization": f"Bearer {KEY}"})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
+def test_the_same_admission_as_v1_embeddings(client, server):
+    too_many = ["x"] * 17  # past --max-client-batch-size 16
+    with pytest.raises(cohere.BadRequestError) as e:
+        client.embed(model="minilm", texts=too_many, input_type="search_query")
+    r = httpx.post(
+        server.url + "/v1/embeddings", json={"input": too_many}, headers={"Authorization": f"Bearer {KEY}"}
+    )
+    assert r.status_code == 400 and e.value.body == r.json()
