@@ -61,11 +61,24 @@ def test_post_routes_declare_their_body_and_every_error(spec, path):
     assert op["security"] == [{"bearer": []}]
 
 
+@pytest.mark.parametrize("path", ["/v2/embed", "/v1/embed"])
+def test_cohere_routes_declare_their_body_and_every_error(spec, path):
+    op = spec["paths"][path]["post"]
+    body = resolve(spec, op["requestBody"]["content"]["application/json"]["schema"])
+    assert {"texts", "inputs", "input_type", "embedding_types", "output_dimension", "truncate"} <= set(
+        body["properties"]
+    )
+    assert {"200", "400", "401", "404", "408", "413", "415", "429", "500", "503"} <= set(op["responses"])
+    assert op["security"] == [{"bearer": []}]
+
+
 def test_every_route_is_described(spec):
     ops = {(m.upper(), p) for p, item in spec["paths"].items() for m in item}
     assert ops == {
         ("POST", "/v1/embeddings"),
         ("POST", "/tokenize"),
+        ("POST", "/v2/embed"),
+        ("POST", "/v1/embed"),
         ("GET", "/v1/models"),
         ("GET", "/info"),
         ("GET", "/live"),
@@ -88,7 +101,7 @@ def test_docs_pages_load_everything_from_this_server(keyed_server, page):
         assert len(r.content) > 1000, url
 
 
-@pytest.mark.parametrize("path", ["/v1/embeddings", "/tokenize"])
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/tokenize", "/v2/embed"])
 def test_fuzzed_from_its_own_openapi_no_5xx_and_every_answer_as_described(keyed_server, path):
     schema = schemathesis.openapi.from_url(keyed_server.url + "/openapi.json", headers=AUTH)
     operation = schema[path]["POST"]

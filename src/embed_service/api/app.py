@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from embed_service import __version__, metrics
-from embed_service.api import docs, openapi
+from embed_service.api import cohere, docs, openapi
 from embed_service.api.access_log import AccessLogMiddleware, telemetry_config
 from embed_service.api.auth import ApiKeys, load_api_keys
 from embed_service.api.errors import install_handlers
@@ -114,9 +114,10 @@ def create_app(settings: Settings, engines: list[Engine]) -> FastAPI:
     app.state.server = state
     install_handlers(app)
     app.include_router(router)
+    app.include_router(cohere.router)
     if settings.docs:
         app.include_router(docs.router)
-    openapi.install(app, router, check_api_key, bool(state.api_keys))
+    openapi.install(app, [router, cohere.router], check_api_key, bool(state.api_keys))
     app.add_middleware(MetricsMiddleware, default_model=engines[0].name)
     app.add_middleware(AccessLogMiddleware)  # added last: outermost
     return app
@@ -125,7 +126,7 @@ def create_app(settings: Settings, engines: list[Engine]) -> FastAPI:
 class MetricsMiddleware:
     """Counts every response by status and times the API routes (pure ASGI: no body buffering)."""
 
-    timed = {"/v1/embeddings", "/embeddings", "/tokenize"}
+    timed = {"/v1/embeddings", "/embeddings", "/tokenize", "/v2/embed", "/v1/embed"}
 
     def __init__(self, app: Any, default_model: str):
         self.app = app

@@ -12,9 +12,14 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
-from embed_service.api.schemas import EmbeddingRequest, ErrorResponse, TokenizeRequest
+from embed_service.api.schemas import (
+    CohereEmbedRequest,
+    EmbeddingRequest,
+    ErrorResponse,
+    TokenizeRequest,
+)
 
-REQUEST_MODELS: tuple[type[BaseModel], ...] = (EmbeddingRequest, TokenizeRequest)
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (EmbeddingRequest, TokenizeRequest, CohereEmbedRequest)
 
 _WHEN = {
     400: "Invalid request: malformed JSON, a field of the wrong type or value, an input the model cannot "
@@ -78,8 +83,8 @@ def _uses(dependant: Dependant, call: Callable[..., Any]) -> bool:
     return any(d.call is call or _uses(d, call) for d in dependant.dependencies)
 
 
-def install(app: FastAPI, router: APIRouter, auth: Callable[..., Any], keys_set: bool) -> None:
-    """Make `app.openapi()` describe the whole API; `auth` is the dependency of `router`'s routes that
+def install(app: FastAPI, routers: list[APIRouter], auth: Callable[..., Any], keys_set: bool) -> None:
+    """Make `app.openapi()` describe the whole API; `auth` is the dependency of `routers`' routes that
     checks the key."""
 
     def openapi() -> dict[str, Any]:
@@ -94,7 +99,7 @@ def install(app: FastAPI, router: APIRouter, auth: Callable[..., Any], keys_set:
             schemas[model.__name__] = js
         if keys_set:
             components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-            for route in router.routes:
+            for route in (r for router in routers for r in router.routes):
                 if not (
                     isinstance(route, APIRoute) and route.include_in_schema and _uses(route.dependant, auth)
                 ):

@@ -7,11 +7,9 @@ decorators only declare them, and every error a route can give, for /openapi.jso
 from __future__ import annotations
 
 import asyncio
-import base64
 from collections.abc import Awaitable
 from typing import Annotated, Any, TypeVar
 
-import numpy as np
 import orjson
 from fastapi import APIRouter, Depends, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -20,6 +18,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import PlainTextResponse, Response
 
 from embed_service import __version__, metrics
+from embed_service.api import encodings
 from embed_service.api.access_log import note
 from embed_service.api.errors import (
     RETRY_AFTER,
@@ -70,22 +69,6 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
         media_type="application/json",
         headers=headers,
     )
-
-
-def base64_rows(vectors: np.ndarray) -> list[str]:
-    """(n, d) float32 -> one base64 string of little-endian float32 bytes per row.
-
-    When a row is a whole number of 3-byte groups (4 * d divisible by 3: 384, 768, 1024 ...) the base64 of
-    the whole buffer is the rows' base64 strings laid end to end, so one encode over the buffer and string
-    slices replace n encodes.
-    """
-    raw = np.ascontiguousarray(vectors, dtype="<f4")
-    n, d = raw.shape
-    if (4 * d) % 3:
-        return [base64.b64encode(row.tobytes()).decode("ascii") for row in raw]
-    text = base64.b64encode(raw.data).decode("ascii")
-    step = 4 * d // 3 * 4
-    return [text[i * step : (i + 1) * step] for i in range(n)]
 
 
 def is_json(content_type: str | None) -> bool:
@@ -187,17 +170,13 @@ async def embeddings(request: Request, _: Authorized) -> Response:
         body.prompt_name,
         body.prompt,
     )
+    dimension = body.dimensions or engine.spec.dimension  # checked before any work is paid for
+    ranges = encodings.check_ranges(body.embed_dtype, body.embed_ranges, dimension)
     result = await until_disconnect(request, engine.embed(body.input, opts))
     note(request, tokens=result.prompt_tokens)
-    vectors = result.embeddings  # (n, d) float32
-    if body.encoding_format == "base64":
-        data = [
-            {"object": "embedding", "index": i, "embedding": text}
-            for i, text in enumerate(base64_rows(vectors))
-        ]
-    else:
-        # orjson writes each float32 row straight from the array: no per-float Python objects.
-        data = [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(vectors)]
+    # base64 strings, or arrays orjson writes straight as numbers: no per-value Python objects.
+    rows = encodings.rows(result.embeddings, body.embed_dtype, body.encoding_format, ranges)
+    data = [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)]
     return json_response(
         {
             "object": "list",

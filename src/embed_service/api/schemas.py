@@ -14,11 +14,14 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
     StrictStr,
     WithJsonSchema,
     field_validator,
 )
+
+from embed_service.api.encodings import EmbedDtype
 
 _TEXT = {"type": "string", "minLength": 1}
 _TEXTS = {"type": "array", "minItems": 1, "items": _TEXT}
@@ -65,6 +68,24 @@ def _check_input(v: Any) -> list[str] | list[list[int]]:
     raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
 
 
+_NUMBER = {"type": "number"}
+_NUMBERS = {"type": "array", "minItems": 1, "items": _NUMBER}
+EmbedRanges = Annotated[
+    tuple[StrictFloat | StrictInt, StrictFloat | StrictInt]
+    | tuple[list[StrictFloat | StrictInt], list[StrictFloat | StrictInt]],
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "array", "minItems": 2, "maxItems": 2, "items": _NUMBER},
+                {"type": "array", "minItems": 2, "maxItems": 2, "items": _NUMBERS},
+            ],
+            "description": "[low, high] for every dimension, or [[lows...], [highs...]] with one per "
+            "output dimension; each low at most its high.",
+        }
+    ),
+]
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -78,7 +99,8 @@ class EmbeddingRequest(BaseModel):
     model: str | None = None
     """A served model name; default: the first served model."""
     encoding_format: Literal["float", "base64"] | None = None
-    """``base64``: each vector as base64 of little-endian float32 bytes. Default: float."""
+    """``base64``: each vector as base64 of its little-endian bytes (float32 unless embed_dtype says).
+    Default: float (JSON numbers)."""
     dimensions: StrictInt | None = Field(None, json_schema_extra={"minimum": 1})
     """Keep the first N features (at most the model's dimension), then re-normalize."""
     user: str | None = None
@@ -94,6 +116,10 @@ class EmbeddingRequest(BaseModel):
     """One of the model's named prompts (config_sentence_transformers.json), prepended to text inputs."""
     prompt: StrictStr | None = None
     """A raw prefix for text inputs, instead of a named prompt."""
+    embed_dtype: EmbedDtype = "float32"
+    """The type of each value (after dimensions and normalization): see docs/api.md, Compact encodings."""
+    embed_ranges: EmbedRanges | None = None
+    """int8/uint8 only: [low, high] for every dimension, or [[lows...], [highs...]]. Default [-1, 1]."""
 
     @field_validator("input", mode="before")
     @classmethod
@@ -142,7 +168,8 @@ class Embedding(BaseModel):
     object: Literal["embedding"]
     index: int
     embedding: list[float] | str
-    """Floats, or with ``encoding_format: base64`` the base64 of little-endian float32 bytes."""
+    """Numbers (integers for the integer and bit embed_dtypes), or with ``encoding_format: base64`` the
+    base64 of the vector's little-endian bytes."""
 
 
 class Usage(BaseModel):
@@ -201,3 +228,100 @@ class Health(BaseModel):
 
 class Live(BaseModel):
     status: Literal["alive"]
+
+
+# Cohere's embed API (POST /v2/embed and /v1/embed): api/cohere.py; docs/api.md says what maps to what.
+
+CohereEmbeddingType = Literal["float", "int8", "uint8", "binary", "ubinary", "base64"]
+
+
+class CohereContent(BaseModel):
+    """One part of a Cohere input; only text parts can be embedded here."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "image_url"]
+    text: StrictStr | None = None
+
+
+class CohereInput(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    content: list[CohereContent] = Field(min_length=1)
+
+
+class CohereEmbedRequest(BaseModel):
+    """POST /v2/embed (and /v1/embed), per Cohere's API, plus ``embed_ranges``."""
+
+    model_config = ConfigDict(extra="ignore", use_attribute_docstrings=True)
+
+    model: str | None = None
+    """A served model name; default: the first served model."""
+    texts: Annotated[list[str] | None, WithJsonSchema({**_TEXTS, "description": "The texts to embed."})] = (
+        None
+    )
+    inputs: list[CohereInput] | None = Field(None, min_length=1)
+    """Instead of texts: inputs of text parts (the parts of one input are joined by newlines)."""
+    images: list[Any] | None = None
+    """Refused when not empty: only text models are served."""
+    input_type: Literal["search_query", "search_document", "classification", "clustering", "image"] | None = (
+        None
+    )
+    """Selects the model's prompt of that purpose (docs/api.md); ``image`` is refused."""
+    embedding_types: list[CohereEmbeddingType] | None = Field(None, min_length=1)
+    """The encodings to return, each under its own key; default ``["float"]``."""
+    output_dimension: StrictInt | None = Field(None, json_schema_extra={"minimum": 1})
+    """Keep the first N features (at most the model's dimension), then re-normalize."""
+    truncate: Literal["NONE", "START", "END"] | None = None
+    """END (default): cut the end of a long input; START: cut its start; NONE: refuse it (400)."""
+    max_tokens: StrictInt | None = Field(None, json_schema_extra={"minimum": 1})
+    """Accepted only when at least the model's max input length (which is what applies)."""
+    priority: StrictInt | None = None
+    """Accepted and ignored."""
+    embed_ranges: EmbedRanges | None = None
+    """int8/uint8 only: as on /v1/embeddings. Default [-1, 1] for every dimension."""
+
+    @field_validator("texts", mode="before")
+    @classmethod
+    def _texts(cls, v: Any) -> Any:
+        if not isinstance(v, list):  # null included: leave texts out to send inputs
+            raise ValueError("must be a list of strings")
+        out = _check_input(v)
+        if not isinstance(out[0], str):
+            raise ValueError("must be a list of strings")
+        return out
+
+
+class CohereEmbeddings(BaseModel):
+    """One list per asked-for type, each with a vector per input."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    float_: list[list[float]] | None = Field(None, alias="float")
+    int8: list[list[int]] | None = None
+    uint8: list[list[int]] | None = None
+    binary: list[list[int]] | None = None
+    ubinary: list[list[int]] | None = None
+    base64: list[str] | None = None
+    """Each vector's little-endian float32 bytes."""
+
+
+class CohereBilledUnits(BaseModel):
+    input_tokens: int
+
+
+class CohereMeta(BaseModel):
+    api_version: dict[str, str]
+    billed_units: CohereBilledUnits
+    tokens: CohereBilledUnits
+
+
+class CohereEmbedResponse(BaseModel):
+    """``embeddings_by_type`` (every /v2/embed answer, and /v1/embed's with embedding_types), or
+    ``embeddings_floats`` (/v1/embed without embedding_types: the float vectors as a list)."""
+
+    response_type: Literal["embeddings_by_type", "embeddings_floats"]
+    id: str
+    embeddings: CohereEmbeddings | list[list[float]]
+    texts: list[str]
+    meta: CohereMeta

@@ -1,0 +1,134 @@
+"""Cohere's embed API: POST /v2/embed (ClientV2.embed) and /v1/embed (Client.embed), for clients written
+against Cohere. The same engine admission, auth and encodings as /v1/embeddings; errors in the OpenAI
+shape, which the cohere client raises as its status's exception (BadRequestError, NotFoundError, ...).
+
+What maps to what (docs/api.md, "Cohere-compatible embed"):
+- ``input_type`` selects the model's sentence-transformers prompt of that purpose, the first of
+  PROMPT_NAMES the model has; a model without one embeds as /v1/embeddings does without a prompt field
+  (its default prompt, if it names one).
+- ``truncate``: END (Cohere's default) cuts the end, START the start, NONE refuses a long input.
+- ``embedding_types``: float, base64 (float32 bytes) and the quantized types of api/encodings.py.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from embed_service.api import encodings
+from embed_service.api.access_log import note
+from embed_service.api.errors import invalid_request
+from embed_service.api.openapi import errors, json_body, ok
+from embed_service.api.routes import Authorized, json_response, read_json, serving, until_disconnect
+from embed_service.api.schemas import CohereEmbedRequest, CohereEmbedResponse
+from embed_service.engine.engine import EmbedOptions, Engine
+
+router = APIRouter()
+
+# input_type -> the prompt names that serve it, in order of preference (nomic-style names first, then the
+# query/document names of e5, bge, gte and arctic configs).
+PROMPT_NAMES = {
+    "search_query": ("search_query", "query"),
+    "search_document": ("search_document", "document", "passage"),
+    "classification": ("classification",),
+    "clustering": ("clustering",),
+}
+TRUNCATION = {"END": (True, "right"), "START": (True, "left"), "NONE": (False, "right")}
+_ROUTE: dict[str, Any] = {
+    "openapi_extra": json_body(
+        CohereEmbedRequest,
+        {"model": "all-MiniLM-L6-v2", "texts": ["hello world"], "input_type": "search_query"},
+    ),
+    "responses": {**ok(CohereEmbedResponse), **errors(400, 404, 408, 413, 415, 429, 500, 503)},
+}
+
+
+def texts_of(body: CohereEmbedRequest) -> list[str]:
+    if body.images:
+        raise invalid_request("images cannot be embedded: only text models are served", "images")
+    if (body.texts is None) == (body.inputs is None):
+        raise invalid_request("send either texts or inputs", "texts")
+    if body.texts is not None:
+        return body.texts
+    texts = []
+    for i, item in enumerate(body.inputs or ()):
+        if any(part.type != "text" for part in item.content):
+            raise invalid_request(f"inputs[{i}]: only text parts can be embedded", "inputs")
+        text = "\n".join(part.text or "" for part in item.content)
+        if not text:
+            raise invalid_request(f"inputs[{i}] has no text", "inputs")
+        texts.append(text)
+    return texts
+
+
+def options(body: CohereEmbedRequest, engine: Engine) -> EmbedOptions:
+    if body.input_type == "image":
+        raise invalid_request("input_type image: only text models are served", "input_type")
+    limit = engine.spec.max_input_length
+    if body.max_tokens is not None and body.max_tokens < limit:
+        raise invalid_request(
+            f"max_tokens below the model's max input length ({limit}) is not supported", "max_tokens"
+        )
+    dimension = body.output_dimension
+    if dimension is not None and not 1 <= dimension <= engine.spec.dimension:
+        raise invalid_request(
+            f"output_dimension must be in 1..{engine.spec.dimension}, got {dimension}", "output_dimension"
+        )
+    names = PROMPT_NAMES.get(body.input_type or "", ())
+    prompt_name = next((n for n in names if n in engine.spec.prompts), None)
+    truncate, direction = TRUNCATION[body.truncate or "END"]
+    return EmbedOptions(truncate, direction, dimensions=dimension, prompt_name=prompt_name)
+
+
+async def embed(request: Request, by_type: bool) -> Response:
+    body = await read_json(request, CohereEmbedRequest)
+    texts = texts_of(body)
+    note(request, inputs=len(texts))
+    engine = serving(request, body.model)
+    opts = options(body, engine)
+    types = list(dict.fromkeys(body.embedding_types or ["float"]))
+    dimension = opts.dimensions or engine.spec.dimension
+    integer = [t for t in types if t in encodings.INTEGER_DTYPES]
+    if body.embed_ranges is not None and not integer:
+        raise invalid_request("embed_ranges applies to embedding_types int8 and uint8", "embed_ranges")
+    ranges = encodings.check_ranges("int8", body.embed_ranges, dimension) if integer else None
+    result = await until_disconnect(request, engine.embed(texts, opts))
+    note(request, tokens=result.prompt_tokens)
+    vectors = result.embeddings  # (n, d) float32, sliced and normalized
+    embeddings: Any
+    if by_type or body.embedding_types:
+        embeddings = {
+            t: encodings.rows(vectors, "float32", "base64", None)
+            if t == "base64"
+            else encodings.rows(vectors, "float32" if t == "float" else t, "float", ranges)
+            for t in types
+        }
+    else:
+        embeddings = vectors
+    tokens = {"input_tokens": result.prompt_tokens}
+    return json_response(
+        {
+            "response_type": "embeddings_by_type" if isinstance(embeddings, dict) else "embeddings_floats",
+            "id": str(uuid.uuid4()),
+            "embeddings": embeddings,
+            "texts": texts,
+            "meta": {
+                "api_version": {"version": "2" if by_type else "1"},
+                "billed_units": tokens,
+                "tokens": tokens,
+            },
+        }
+    )
+
+
+@router.post("/v2/embed", summary="Embed texts (Cohere embed API v2)", **_ROUTE)
+async def embed_v2(request: Request, _: Authorized) -> Response:
+    return await embed(request, by_type=True)
+
+
+@router.post("/v1/embed", summary="Embed texts (Cohere embed API v1)", **_ROUTE)
+async def embed_v1(request: Request, _: Authorized) -> Response:
+    return await embed(request, by_type=False)
