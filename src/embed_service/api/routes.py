@@ -43,6 +43,7 @@ from embed_service.api.schemas import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from embed_service.engine.chunking import ChunkOptions, Chunks
 from embed_service.engine.engine import EmbedOptions, Engine
 
 router = APIRouter()
@@ -86,6 +87,14 @@ def base64_rows(vectors: np.ndarray) -> list[str]:
     text = base64.b64encode(raw.data).decode("ascii")
     step = 4 * d // 3 * 4
     return [text[i * step : (i + 1) * step] for i in range(n)]
+
+
+def chunk_items(chunks: Chunks, as_base64: bool) -> list[dict[str, Any]]:
+    rows = base64_rows(chunks.vectors) if as_base64 else chunks.vectors
+    return [
+        {"start": start, "end": end, "tokens": tokens, "embedding": row}
+        for (start, end, tokens), row in zip(chunks.spans, rows)
+    ]
 
 
 def is_json(content_type: str | None) -> bool:
@@ -187,6 +196,9 @@ async def embeddings(request: Request, _: Authorized) -> Response:
         body.prompt_name,
         body.prompt,
     )
+    if body.chunking is not None:  # long inputs (engine/chunking.py)
+        c = body.chunking
+        opts.chunking = ChunkOptions(c.enabled, c.overlap, c.return_chunks)
     result = await until_disconnect(request, engine.embed(body.input, opts))
     note(request, tokens=result.prompt_tokens)
     vectors = result.embeddings  # (n, d) float32
@@ -198,6 +210,9 @@ async def embeddings(request: Request, _: Authorized) -> Response:
     else:
         # orjson writes each float32 row straight from the array: no per-float Python objects.
         data = [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(vectors)]
+    if result.chunks is not None:
+        for item, chunks in zip(data, result.chunks):
+            item["chunks"] = chunk_items(chunks, body.encoding_format == "base64")
     return json_response(
         {
             "object": "list",
