@@ -484,9 +484,11 @@ class Engine:
         loop = asyncio.get_running_loop()
         tokens = 0
         planned: list[list[chunking.Window]] = []
+        submitted: list[Sequence] = []  # for the request's trace spans
 
         async def plan_piece(first: int, k: int) -> list[list[chunking.Window]]:
             done: list[list[chunking.Window]] = []
+            t0 = time.perf_counter()
             with observability.span("tokenize"):
                 while len(done) < k:
                     at = first + len(done)
@@ -494,6 +496,7 @@ class Engine:
                     done += await loop.run_in_executor(
                         self._tokenize_pool, self._plan, inputs[at : at + step], prompt, rule, at
                     )
+            metrics.TOKENIZATION_DURATION.labels(self.name).observe(time.perf_counter() - t0)
             planned.extend(done)
             return done
 
@@ -503,6 +506,7 @@ class Engine:
                 self._check_ready()
             assert self.batcher is not None
             seqs = [Sequence(w.ids, loop.create_future(), state) for w in windows]
+            submitted.extend(seqs)
             tokens += sum(len(w.ids) for w in windows)
             self.batcher.submit(
                 seqs, priority=permit.interactive and tokens <= self.settings.priority_max_tokens
@@ -511,6 +515,7 @@ class Engine:
 
         try:
             results = await chunking.run_windowed(permit, len(inputs), plan_piece, submit)
+            observability.trace_batches(submitted)
             normalize = self.spec.normalize if opts.normalize is None else opts.normalize
             pooled = [np.stack([r.dense for r in rs]) for rs in results]  # per input (w, D)
             combined = np.stack(
