@@ -73,6 +73,18 @@ class Settings(BaseSettings):
     auto_truncate: bool = True
     """Cut inputs longer than the max input length (keeping special tokens); when off they get a 400."""
 
+    chunk_long_inputs: bool = False
+    """Embed a text longer than the max input length as windows whose vectors are averaged, weighted by
+    their tokens, instead of truncating it (docs/api.md, long inputs). A request can override it with
+    ``chunking``. Token-id inputs are never chunked."""
+
+    chunk_overlap: int = 0
+    """Tokens each window of a chunked text shares with the one before it (at most half a window). A
+    request can override it with ``chunking.overlap``."""
+
+    max_chunks_per_input: int = 64
+    """Windows one chunked text may make; a text that would make more is a 400."""
+
     max_batch_tokens: int | None = None
     """Real tokens per forward pass (a batch always takes at least one sequence). Must be >= the max input
     length. Default: 4096, or the max input length when that is longer."""
@@ -223,6 +235,7 @@ class Settings(BaseSettings):
         "max_input_length",
         "data_parallel_size",
         "num_threads",
+        "max_chunks_per_input",
     )
     @classmethod
     def _positive(cls, v: int | None) -> int | None:
@@ -230,7 +243,7 @@ class Settings(BaseSettings):
             raise ValueError("must be at least 1")
         return v
 
-    @field_validator("priority_max_tokens", "interactive_reserved_inputs", "bulk_aging_s")
+    @field_validator("priority_max_tokens", "interactive_reserved_inputs", "bulk_aging_s", "chunk_overlap")
     @classmethod
     def _not_negative(cls, v: float) -> float:
         if v < 0:

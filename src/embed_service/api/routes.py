@@ -42,6 +42,7 @@ from embed_service.api.schemas import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from embed_service.engine.chunking import ChunkOptions, Chunks
 from embed_service.engine.engine import EmbedOptions, Engine
 
 router = APIRouter()
@@ -69,6 +70,14 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
         media_type="application/json",
         headers=headers,
     )
+
+
+def chunk_items(chunks: Chunks, rows: Any) -> list[dict[str, Any]]:
+    """The windows of one chunked input, each with its vector encoded as the input's."""
+    return [
+        {"start": start, "end": end, "tokens": tokens, "embedding": row}
+        for (start, end, tokens), row in zip(chunks.spans, rows)
+    ]
 
 
 def is_json(content_type: str | None) -> bool:
@@ -172,11 +181,18 @@ async def embeddings(request: Request, _: Authorized) -> Response:
     )
     dimension = body.dimensions or engine.spec.dimension  # checked before any work is paid for
     ranges = encodings.check_ranges(body.embed_dtype, body.embed_ranges, dimension)
+    if body.chunking is not None:  # long inputs (engine/chunking.py)
+        c = body.chunking
+        opts.chunking = ChunkOptions(c.enabled, c.overlap, c.return_chunks)
     result = await until_disconnect(request, engine.embed(body.input, opts))
     note(request, tokens=result.prompt_tokens)
     # base64 strings, or arrays orjson writes straight as numbers: no per-value Python objects.
     rows = encodings.rows(result.embeddings, body.embed_dtype, body.encoding_format, ranges)
     data = [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)]
+    if result.chunks is not None:
+        for item, chunks in zip(data, result.chunks):
+            windows = encodings.rows(chunks.vectors, body.embed_dtype, body.encoding_format, ranges)
+            item["chunks"] = chunk_items(chunks, windows)
     return json_response(
         {
             "object": "list",

@@ -90,6 +90,19 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+class Chunking(BaseModel):
+    """How a text longer than the max input length is embedded: as windows whose vectors are averaged."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    enabled: StrictBool = True
+    """Chunk long texts (sending the object turns it on); false: truncate as without it."""
+    overlap: StrictInt | None = Field(None, json_schema_extra={"minimum": 0})
+    """Tokens each window shares with the one before it (at most half a window). Default: --chunk-overlap."""
+    return_chunks: StrictBool = False
+    """Also return each window's vector and its character span in the text."""
+
+
 class EmbeddingRequest(BaseModel):
     """POST /v1/embeddings, per the OpenAI spec, plus the documented extensions."""
 
@@ -120,6 +133,8 @@ class EmbeddingRequest(BaseModel):
     """The type of each value (after dimensions and normalization): see docs/api.md, Compact encodings."""
     embed_ranges: EmbedRanges | None = None
     """int8/uint8 only: [low, high] for every dimension, or [[lows...], [highs...]]. Default [-1, 1]."""
+    chunking: Chunking | None = None
+    """Embed texts past the max input length as averaged windows (default: the server's --chunk-long-inputs)."""
 
     @field_validator("input", mode="before")
     @classmethod
@@ -164,12 +179,26 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class Chunk(BaseModel):
+    """One window of a chunked text."""
+
+    start: int
+    """The first character of the text the window's tokens cover."""
+    end: int
+    """One past the last character covered."""
+    tokens: int
+    """The window's text tokens (its weight in the average)."""
+    embedding: list[float] | str
+
+
 class Embedding(BaseModel):
     object: Literal["embedding"]
     index: int
     embedding: list[float] | str
     """Numbers (integers for the integer and bit embed_dtypes), or with ``encoding_format: base64`` the
     base64 of the vector's little-endian bytes."""
+    chunks: list[Chunk] | None = None
+    """With ``chunking.return_chunks``: the windows, in order."""
 
 
 class Usage(BaseModel):

@@ -165,6 +165,11 @@ class Permit:
             self.held += self.admission._grow(self, want)
         return min(self.unstarted, self.held - self.busy)
 
+    def extend(self, k: int) -> None:
+        """`k` more inputs for this request to start (the further windows of a chunked input)."""
+        assert k >= 0 and not self.closed
+        self.unstarted += k
+
     def take(self, k: int) -> None:
         assert not self.closed and k <= self.held - self.busy and k <= self.unstarted
         self.busy += k
@@ -198,24 +203,42 @@ async def run_piecewise(
     answered (and as the permit grows when capacity frees). The caller closes the permit.
     """
     futures: list[asyncio.Future] = []
-    slot_freed = asyncio.Event()
-    failed = False
-
-    def answered(future: asyncio.Future) -> None:
-        nonlocal failed
-        failed = failed or future.cancelled() or future.exception() is not None
-        permit.done(1)
-        slot_freed.set()
-
-    while len(futures) < n and not failed:  # after a failure the request fails: start nothing more
-        k = permit.free()
-        if not k:
-            slot_freed.clear()
-            await slot_freed.wait()
-            continue
+    slots = Slots(permit)
+    while len(futures) < n:
+        k = await slots.free()
+        if slots.failed:  # after a failure the request fails: start nothing more
+            break
         permit.take(k)
         started = await start(len(futures), k)
         for future in started:
-            future.add_done_callback(answered)
+            slots.watch(future)
         futures += started
     return await asyncio.gather(*futures)
+
+
+class Slots:
+    """A permit's slots as a request's loop starts inputs on them: each answered input frees one."""
+
+    def __init__(self, permit: Permit):
+        self.permit = permit
+        self.failed = False  # an answered input failed (or was cancelled)
+        self._freed = asyncio.Event()
+
+    def watch(self, future: asyncio.Future) -> None:
+        future.add_done_callback(self._answered)
+
+    def _answered(self, future: asyncio.Future) -> None:
+        self.failed = self.failed or future.cancelled() or future.exception() is not None
+        self.permit.done(1)
+        self._freed.set()
+
+    async def free(self) -> int:
+        """Slots free now; when none is, waits until one of the request's own inputs is answered (one is
+        in progress, since the permit holds at least one slot), or a failure is noted."""
+        while not self.failed:
+            k = self.permit.free()
+            if k:
+                return k
+            self._freed.clear()
+            await self._freed.wait()
+        return 0

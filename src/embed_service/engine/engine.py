@@ -21,6 +21,7 @@ from embed_service import metrics, observability
 from embed_service.batching.batcher import Batcher
 from embed_service.batching.sequence import RequestState, Sequence
 from embed_service.config import Settings
+from embed_service.engine import chunking
 from embed_service.engine.admission import Admission, Limits, Permit, check_request, run_piecewise
 from embed_service.engine.errors import InvalidInputError, NotReadyError
 from embed_service.engine.replicas import Replicas
@@ -59,6 +60,7 @@ class EmbedOptions:
     dimensions: int | None = None
     prompt_name: str | None = None
     prompt: str | None = None
+    chunking: chunking.ChunkOptions | None = None  # long inputs (engine/chunking.py)
 
 
 @dataclass
@@ -72,6 +74,7 @@ class Pooled:
 class EmbedResult:
     embeddings: np.ndarray  # (n, d) float32, C-contiguous
     prompt_tokens: int
+    chunks: list[chunking.Chunks] | None = None  # per input, with chunking.return_chunks
 
 
 def finish(vectors: np.ndarray, dimensions: int | None, normalize: bool) -> np.ndarray:
@@ -393,6 +396,9 @@ class Engine:
             )
         rule = self.truncation(opts)
         prompt = self._prompt(inputs, opts)
+        chunk_rule = self._chunk_rule(inputs, opts)
+        if chunk_rule is not None:  # long inputs as windows: engine/chunking.py
+            return await self._embed_windowed(inputs, opts, chunk_rule, prompt)  # type: ignore[arg-type]
         permit = self._admit(inputs, prompt)
         state = RequestState()
         loop = asyncio.get_running_loop()
@@ -428,6 +434,110 @@ class Engine:
         finally:
             permit.close()
 
+    # --- long inputs as windows (engine/chunking.py) -------------------------------------------------
+
+    def _chunk_rule(self, inputs: Inputs, opts: EmbedOptions) -> chunking.ChunkRule | None:
+        """How this request chunks its inputs, or None when it does not (token ids never do)."""
+        asked = opts.chunking or chunking.ChunkOptions()
+        enabled = self.settings.chunk_long_inputs if asked.enabled is None else asked.enabled
+        if not enabled:
+            return None
+        if not isinstance(inputs[0], str):
+            if asked.enabled:
+                raise InvalidInputError(
+                    "chunking applies to text inputs; token ids are used verbatim", "chunking"
+                )
+            return None
+        overlap = self.settings.chunk_overlap if asked.overlap is None else asked.overlap
+        return chunking.ChunkRule(
+            overlap,
+            self.settings.max_chunks_per_input,
+            self.spec.max_input_length,
+            self.settings.max_input_chars,
+            asked.return_chunks,
+        )
+
+    def _plan(
+        self, texts: list[str], prompt: str | None, rule: chunking.ChunkRule, first: int
+    ) -> list[list[chunking.Window]]:
+        """Runs on a tokenization thread."""
+        try:
+            self.tokenizer.check_prompt(prompt, rule.max_length)
+            return chunking.plan(self.tokenizer, texts, prompt, rule, first)
+        except chunking.ChunkError as exc:
+            raise InvalidInputError(str(exc), param=exc.param) from None
+        except PromptError as exc:
+            raise InvalidInputError(str(exc), param=exc.param) from None
+
+    async def _embed_windowed(
+        self, inputs: list[str], opts: EmbedOptions, rule: chunking.ChunkRule, prompt: str | None
+    ) -> EmbedResult:
+        """embed() for a request that chunks its long texts: each window a sequence, admitted as one."""
+        check_request(inputs, prompt, self.limits)
+        try:  # before admission: refusals that need no tokenizing of the texts
+            chunking.check_overlap(self.tokenizer, rule, prompt)
+            chunking.check_chars(inputs, prompt, rule)
+        except chunking.ChunkError as exc:
+            raise InvalidInputError(str(exc), param=exc.param) from None
+        permit = self.admission.admit(len(inputs))
+        state = RequestState()
+        loop = asyncio.get_running_loop()
+        tokens = 0
+        planned: list[list[chunking.Window]] = []
+        submitted: list[Sequence] = []  # for the request's trace spans
+
+        async def plan_piece(first: int, k: int) -> list[list[chunking.Window]]:
+            done: list[list[chunking.Window]] = []
+            t0 = time.perf_counter()
+            with observability.span("tokenize"):
+                while len(done) < k:
+                    at = first + len(done)
+                    step = _chunk(inputs, at, k - len(done), prompt, self.settings.max_input_chars)
+                    done += await loop.run_in_executor(
+                        self._tokenize_pool, self._plan, inputs[at : at + step], prompt, rule, at
+                    )
+            metrics.TOKENIZATION_DURATION.labels(self.name).observe(time.perf_counter() - t0)
+            planned.extend(done)
+            return done
+
+        def submit(windows: list[chunking.Window]) -> list[asyncio.Future]:
+            nonlocal tokens
+            if self.state == "failed":
+                self._check_ready()
+            assert self.batcher is not None
+            seqs = [Sequence(w.ids, loop.create_future(), state) for w in windows]
+            submitted.extend(seqs)
+            tokens += sum(len(w.ids) for w in windows)
+            self.batcher.submit(
+                seqs, priority=permit.interactive and tokens <= self.settings.priority_max_tokens
+            )
+            return [s.future for s in seqs]
+
+        try:
+            results = await chunking.run_windowed(permit, len(inputs), plan_piece, submit)
+            observability.trace_batches(submitted)
+            normalize = self.spec.normalize if opts.normalize is None else opts.normalize
+            pooled = [np.stack([r.dense for r in rs]) for rs in results]  # per input (w, D)
+            combined = np.stack(
+                [chunking.combine(v, [w.weight for w in ws]) for v, ws in zip(pooled, planned)]
+            )
+            vectors = finish(combined, opts.dimensions, normalize)
+            chunks = None
+            if rule.return_chunks:
+                chunks = [
+                    chunking.Chunks(
+                        [(w.start, w.end, w.weight) for w in ws], finish(v, opts.dimensions, normalize)
+                    )
+                    for v, ws in zip(pooled, planned)
+                ]
+            metrics.INPUT_TOKENS.labels(self.name).inc(tokens)
+            return EmbedResult(vectors, tokens, chunks)
+        except BaseException:
+            state.cancelled = True
+            raise
+        finally:
+            permit.close()
+
     def info(self) -> dict[str, Any]:
         s = self.settings
         # The first replica that serves (its workers' pids and parameter bytes).
@@ -444,6 +554,9 @@ class Engine:
             "prompts": sorted(self.spec.prompts),
             "default_prompt_name": self.spec.default_prompt_name,
             "auto_truncate": s.auto_truncate,
+            "chunk_long_inputs": s.chunk_long_inputs,
+            "chunk_overlap": s.chunk_overlap,
+            "max_chunks_per_input": s.max_chunks_per_input,
             "dtype": self.dtype,
             "device": self.device,
             "tensor_parallel_size": s.tensor_parallel_size,
