@@ -260,3 +260,17 @@ def test_every_window_of_a_last_token_model_ends_with_its_eos(tmp_path, bpe):
         assert w.ids[-1] == EOS and w.ids.count(EOS) == ids[j * stride : j * stride + room].count(EOS) + 1
         assert w.ids[tok.prefix_len : len(w.ids) - tok.suffix_len] == ids[j * stride : j * stride + room]
         assert len(w.ids) <= 64
+
+
+def test_chunk_vectors_take_the_requests_embed_dtype(server, long_text):
+    """`ubinary` chunks are sentence-transformers' packed sign bits of the float chunks, as the input is."""
+    from sentence_transformers.quantization import quantize_embeddings
+
+    args = {"chunking": {"return_chunks": True}, "dimensions": 100, "encoding_format": "float"}
+    floats = post(server, long_text, **args).json()["data"][0]
+    bits = post(server, long_text, embed_dtype="ubinary", **args).json()["data"][0]
+    want = quantize_embeddings(np.array([c["embedding"] for c in floats["chunks"]]), "ubinary")
+    assert np.array_equal(np.array([c["embedding"] for c in bits["chunks"]]), want)
+    assert np.array_equal(
+        bits["embedding"], quantize_embeddings(np.array([floats["embedding"]]), "ubinary")[0]
+    )
