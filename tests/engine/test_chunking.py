@@ -274,3 +274,12 @@ def test_chunk_vectors_take_the_requests_embed_dtype(server, long_text):
     assert np.array_equal(
         bits["embedding"], quantize_embeddings(np.array([floats["embedding"]]), "ubinary")[0]
     )
+
+
+def test_a_text_without_content_tokens_is_embedded_as_without_chunking(server):
+    """A control character alone tokenizes to the special tokens only: one window of weight 0, which must
+    not divide by zero (NaN, written as null)."""
+    plain = vectors(post(server, "\u0013"))
+    chunked = vectors(post(server, "\u0013", chunking={}))
+    assert np.isfinite(chunked).all()
+    np.testing.assert_allclose(chunked, plain, atol=1e-6)

@@ -145,7 +145,10 @@ def plan(
 
 
 def combine(vectors: np.ndarray, weights: list[int]) -> np.ndarray:
-    """(w, D) pooled window vectors -> (D,) their average weighted by tokens, in float32."""
+    """(w, D) pooled window vectors -> (D,) their average weighted by tokens, in float32. A text of one
+    window is its vector as it is (a text with no content token, e.g. only a control character, weighs 0)."""
+    if len(weights) == 1:
+        return vectors[0].astype(np.float32, copy=False)
     w = np.asarray(weights, dtype=np.float32)
     return (w @ vectors.astype(np.float32, copy=False)) / np.float32(w.sum())
 
