@@ -114,6 +114,9 @@ class Tokenizer:
         # The template's own ids, to rebuild a sequence around content tokens taken from a window.
         self.template_head = list(probe.ids[: self.prefix_len])
         self.template_tail = list(probe.ids[content[-1] + 1 :]) if content else []
+        # The ids lexical (sparse) weights leave out, as FlagEmbedding's BGEM3FlagModel: cls, eos, pad, unk.
+        special = (hf.cls_token_id, hf.eos_token_id, hf.pad_token_id, hf.unk_token_id)
+        self.lexical_skip_ids = sorted({int(i) for i in special if i is not None})
         self.prompts = spec.prompts
         self.default_prompt_name = spec.default_prompt_name
         # Characters one token covers at most (see the module docstring).
