@@ -40,6 +40,7 @@ from embed_service.api.schemas import (
     Info,
     Live,
     ModelList,
+    SparseEmbedRequest,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -186,18 +187,21 @@ async def embeddings(request: Request, _: Authorized) -> Response:
         body.dimensions,
         body.prompt_name,
         body.prompt,
+        outputs=frozenset(body.outputs) if body.outputs else None,
     )
     result = await until_disconnect(request, engine.embed(body.input, opts))
     note(request, tokens=result.prompt_tokens)
-    vectors = result.embeddings  # (n, d) float32
-    if body.encoding_format == "base64":
-        data = [
-            {"object": "embedding", "index": i, "embedding": text}
-            for i, text in enumerate(base64_rows(vectors))
-        ]
-    else:
+    b64 = body.encoding_format == "base64"
+    data: list[dict[str, Any]] = [{"object": "embedding", "index": i} for i in range(len(body.input))]
+    if body.outputs is None or "dense" in body.outputs:
         # orjson writes each float32 row straight from the array: no per-float Python objects.
-        data = [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(vectors)]
+        vectors = result.embeddings  # (n, d) float32
+        for item, row in zip(data, base64_rows(vectors) if b64 else vectors):
+            item["embedding"] = row
+    for item, sparse in zip(data, result.sparse or ()):
+        item["sparse"] = {"indices": sparse.indices, "values": sparse.values}
+    for item, matrix in zip(data, result.colbert or ()):
+        item["colbert"] = base64_rows(matrix) if b64 else matrix
     return json_response(
         {
             "object": "list",
@@ -205,6 +209,36 @@ async def embeddings(request: Request, _: Authorized) -> Response:
             "model": body.model or engine.name,
             "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
         }
+    )
+
+
+@router.post(
+    "/embed_sparse",
+    summary="Lexical (sparse) weights, as text-embeddings-inference's /embed_sparse",
+    openapi_extra=json_body(SparseEmbedRequest, {"inputs": ["hello world"]}),
+    responses={
+        200: {"description": "Per input, its {index: token id, value: weight} pairs"},
+        **errors(400, 404, 408, 413, 415, 429, 500, 503),
+    },
+)
+async def embed_sparse(request: Request, _: Authorized) -> Response:
+    body = await read_json(request, SparseEmbedRequest)
+    note(request, inputs=len(body.inputs))
+    engine = serving(request, body.model)
+    opts = EmbedOptions(
+        body.truncate,
+        body.truncation_direction,
+        prompt_name=body.prompt_name,
+        prompt=body.prompt,
+        outputs=frozenset({"sparse"}),
+    )
+    result = await until_disconnect(request, engine.embed(body.inputs, opts))
+    note(request, tokens=result.prompt_tokens)
+    return json_response(
+        [
+            [{"index": int(i), "value": float(v)} for i, v in zip(s.indices, s.values)]
+            for s in result.sparse or ()
+        ]
     )
 
 

@@ -94,10 +94,31 @@ class EmbeddingRequest(BaseModel):
     """One of the model's named prompts (config_sentence_transformers.json), prepended to text inputs."""
     prompt: StrictStr | None = None
     """A raw prefix for text inputs, instead of a named prompt."""
+    outputs: list[Literal["dense", "sparse", "colbert"]] | None = Field(None, min_length=1)
+    """The outputs of each input, from one forward (default: dense). ``sparse`` (lexical weights) and
+    ``colbert`` (one vector per token) need a model with those heads (bge-m3); see docs/api.md."""
 
     @field_validator("input", mode="before")
     @classmethod
     def _input(cls, v: Any) -> Any:
+        return _check_input(v)
+
+
+class SparseEmbedRequest(BaseModel):
+    """POST /embed_sparse (text-embeddings-inference's route): lexical weights only."""
+
+    model_config = ConfigDict(extra="ignore", use_attribute_docstrings=True)
+
+    inputs: Annotated[list[str] | list[list[int]], EMBED_INPUT]
+    model: str | None = None
+    truncate: StrictBool | None = None
+    truncation_direction: Literal["right", "left"] = "right"
+    prompt_name: StrictStr | None = None
+    prompt: StrictStr | None = None
+
+    @field_validator("inputs", mode="before")
+    @classmethod
+    def _inputs(cls, v: Any) -> Any:
         return _check_input(v)
 
 
@@ -138,11 +159,24 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class SparseVector(BaseModel):
+    indices: list[int]
+    """Token ids, ascending."""
+    values: list[float]
+    """Their weights (> 0), the largest per token id."""
+
+
 class Embedding(BaseModel):
     object: Literal["embedding"]
     index: int
-    embedding: list[float] | str
-    """Floats, or with ``encoding_format: base64`` the base64 of little-endian float32 bytes."""
+    embedding: list[float] | str | None = None
+    """Floats, or with ``encoding_format: base64`` the base64 of little-endian float32 bytes. Present when
+    the dense output was asked for (the default)."""
+    sparse: SparseVector | None = None
+    """With ``outputs`` naming ``sparse``."""
+    colbert: list[list[float]] | list[str] | None = None
+    """With ``outputs`` naming ``colbert``: one normalized vector per token after the first, as floats or
+    (``encoding_format: base64``) one base64 string each."""
 
 
 class Usage(BaseModel):
