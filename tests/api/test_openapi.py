@@ -66,6 +66,7 @@ def test_every_route_is_described(spec):
     assert ops == {
         ("POST", "/v1/embeddings"),
         ("POST", "/tokenize"),
+        ("POST", "/embed_sparse"),
         ("GET", "/v1/models"),
         ("GET", "/info"),
         ("GET", "/live"),

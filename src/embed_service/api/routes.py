@@ -41,6 +41,7 @@ from embed_service.api.schemas import (
     Live,
     ModelList,
     SparseEmbedRequest,
+    SparseEmbedResponse,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -216,10 +217,7 @@ async def embeddings(request: Request, _: Authorized) -> Response:
     "/embed_sparse",
     summary="Lexical (sparse) weights, as text-embeddings-inference's /embed_sparse",
     openapi_extra=json_body(SparseEmbedRequest, {"inputs": ["hello world"]}),
-    responses={
-        200: {"description": "Per input, its {index: token id, value: weight} pairs"},
-        **errors(400, 404, 408, 413, 415, 429, 500, 503),
-    },
+    responses={**ok(SparseEmbedResponse), **errors(400, 404, 408, 413, 415, 429, 500, 503)},
 )
 async def embed_sparse(request: Request, _: Authorized) -> Response:
     body = await read_json(request, SparseEmbedRequest)

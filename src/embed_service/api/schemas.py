@@ -13,6 +13,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    RootModel,
     StrictBool,
     StrictInt,
     StrictStr,
@@ -177,6 +178,17 @@ class Embedding(BaseModel):
     colbert: list[list[float]] | list[str] | None = None
     """With ``outputs`` naming ``colbert``: one normalized vector per token after the first, as floats or
     (``encoding_format: base64``) one base64 string each."""
+
+
+class SparseValue(BaseModel):
+    index: int
+    """A token id."""
+    value: float
+    """Its weight."""
+
+
+class SparseEmbedResponse(RootModel[list[list[SparseValue]]]):
+    """POST /embed_sparse: per input, its (token id, weight) pairs, ascending ids."""
 
 
 class Usage(BaseModel):
