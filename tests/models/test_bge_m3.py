@@ -249,3 +249,21 @@ def test_a_model_without_the_heads_refuses_them(served):
     assert r.status_code == 400 and r.json()["error"]["param"] == "outputs"
     r = post(plain, {"input": "x"})
     assert r.status_code == 200
+
+
+def test_openai_client_unchanged_with_extra_body(served, ours_and_ref):
+    """The official client: plain dense as ever, and the extension through extra_body / model_extra."""
+    from openai import OpenAI
+
+    _, url, _ = served
+    inputs, data, _ = ours_and_ref
+    client = OpenAI(base_url=url + "/v1", api_key="unused")
+    name = httpx.get(url + "/info").json()["model"]
+    r = client.embeddings.create(model=name, input=inputs[:2])
+    np.testing.assert_allclose([d.embedding for d in r.data], [d["embedding"] for d in data[:2]], atol=1e-6)
+    r = client.embeddings.create(
+        model=name, input=inputs[:2], encoding_format="float", extra_body={"outputs": ["dense", "sparse"]}
+    )
+    for got, want in zip(r.data, data[:2]):
+        assert got.model_extra["sparse"]["indices"] == want["sparse"]["indices"]
+        np.testing.assert_allclose(got.model_extra["sparse"]["values"], want["sparse"]["values"], atol=1e-6)
