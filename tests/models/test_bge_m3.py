@@ -267,3 +267,16 @@ def test_openai_client_unchanged_with_extra_body(served, ours_and_ref):
     for got, want in zip(r.data, data[:2]):
         assert got.model_extra["sparse"]["indices"] == want["sparse"]["indices"]
         np.testing.assert_allclose(got.model_extra["sparse"]["values"], want["sparse"]["values"], atol=1e-6)
+
+
+def test_sparse_tokens_name_the_ids(served, ours_and_ref):
+    from transformers import AutoTokenizer
+
+    path, url, _ = served
+    inputs, data, _ = ours_and_ref
+    r = post(url, {"input": inputs[:3], "outputs": ["sparse"], "sparse_tokens": True})
+    assert r.status_code == 200, r.text
+    tok = AutoTokenizer.from_pretrained(str(path))
+    for got, want in zip(r.json()["data"], data[:3]):
+        assert got["sparse"]["indices"] == want["sparse"]["indices"]
+        assert got["sparse"]["tokens"] == tok.convert_ids_to_tokens(want["sparse"]["indices"])

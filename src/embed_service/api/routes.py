@@ -201,6 +201,8 @@ async def embeddings(request: Request, _: Authorized) -> Response:
             item["embedding"] = row
     for item, sparse in zip(data, result.sparse or ()):
         item["sparse"] = {"indices": sparse.indices, "values": sparse.values}
+        if body.sparse_tokens:
+            item["sparse"]["tokens"] = engine.tokenizer.tokens(sparse.indices.tolist())
     for item, matrix in zip(data, result.colbert or ()):
         item["colbert"] = base64_rows(matrix) if b64 else matrix
     return json_response(

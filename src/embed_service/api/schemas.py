@@ -98,6 +98,8 @@ class EmbeddingRequest(BaseModel):
     outputs: list[Literal["dense", "sparse", "colbert"]] | None = Field(None, min_length=1)
     """The outputs of each input, from one forward (default: dense). ``sparse`` (lexical weights) and
     ``colbert`` (one vector per token) need a model with those heads (bge-m3); see docs/api.md."""
+    sparse_tokens: StrictBool = False
+    """With a sparse output: also each token id's token, as ``sparse.tokens``."""
 
     @field_validator("input", mode="before")
     @classmethod
@@ -165,6 +167,8 @@ class SparseVector(BaseModel):
     """Token ids, ascending."""
     values: list[float]
     """Their weights (> 0), the largest per token id."""
+    tokens: list[str] | None = None
+    """The tokens of `indices`, with ``sparse_tokens: true``."""
 
 
 class Embedding(BaseModel):

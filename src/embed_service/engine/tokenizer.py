@@ -294,6 +294,10 @@ class Tokenizer:
                 raise InputCharsError(index, len(text), limit, f"its end does not make {need} tokens")
             width *= GROWTH
 
+    def tokens(self, ids: list[int]) -> list[str]:
+        """The vocabulary's token for each id (ids known to be in range)."""
+        return [self.backend.id_to_token(i) or "" for i in ids]
+
     def check_ids(self, seqs: list[list[int]]) -> None:
         for i, seq in enumerate(seqs):
             for t in seq:
