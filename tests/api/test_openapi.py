@@ -79,6 +79,7 @@ def test_every_route_is_described(spec):
         ("POST", "/tokenize"),
         ("POST", "/v2/embed"),
         ("POST", "/v1/embed"),
+        ("POST", "/embed_sparse"),
         ("GET", "/v1/models"),
         ("GET", "/info"),
         ("GET", "/live"),

@@ -27,7 +27,7 @@ class Backend:
         self.seconds = seconds
         self.lock = threading.Lock()
 
-    def __call__(self, ids, lengths):
+    def __call__(self, ids, lengths, requests):
         time.sleep(self.seconds)
         with self.lock:
             self.batches.append(lengths.tolist())
@@ -175,7 +175,7 @@ def test_token_ids_outside_int32_fail_their_batch_not_the_loop():
 
 
 def test_a_backend_returning_fewer_results_fails_the_batch_instead_of_leaving_it_pending():
-    def short(ids, lengths):
+    def short(ids, lengths, requests):
         return lengths.tolist()[:-1]
 
     async def main():
@@ -196,7 +196,7 @@ def test_a_backend_returning_fewer_results_fails_the_batch_instead_of_leaving_it
 def test_stop_answers_what_is_waiting_and_what_is_running():
     release = threading.Event()
 
-    def blocked(ids, lengths):
+    def blocked(ids, lengths, requests):
         release.wait(10)
         return lengths.tolist()
 
@@ -217,11 +217,11 @@ def test_stop_answers_what_is_waiting_and_what_is_running():
 def test_a_failed_batch_is_retried_once_on_another_backend():
     calls: list[tuple[str, list[int]]] = []
 
-    def failing(ids, lengths):
+    def failing(ids, lengths, requests):
         calls.append(("failing", lengths.tolist()))
         raise RuntimeError("injected")
 
-    def healthy(ids, lengths):
+    def healthy(ids, lengths, requests):
         time.sleep(0.02)  # busy, so that the failing backend takes the first batch
         calls.append(("healthy", lengths.tolist()))
         return lengths.tolist()
@@ -242,7 +242,7 @@ def test_a_failed_batch_is_retried_once_on_another_backend():
 def test_a_lost_backend_gets_no_batches_until_it_is_up_and_alone_fails_what_waits():
     lost = {"now": True}
 
-    def backend(ids, lengths):
+    def backend(ids, lengths, requests):
         if lost["now"]:
             raise BackendLost("replica 0 is gone")
         return lengths.tolist()
@@ -283,7 +283,7 @@ class Fake:
         self.index, self.plan, self.log, self.restart = index, plan, log, restart
         self.calls = 0
 
-    def __call__(self, ids, lengths):
+    def __call__(self, ids, lengths, requests):
         action = self.plan[self.calls] if self.calls < len(self.plan) else "ok"
         self.calls += 1
         bounds = np.concatenate([[0], np.cumsum(lengths)])

@@ -120,7 +120,7 @@ def test_bulk_work_completes_under_a_stream_of_short_requests(aging_s):
     it; without, it waits for the stream to end (the starvation aging removes)."""
     stream_s = 1.5
 
-    def backend(ids, lengths):
+    def backend(ids, lengths, requests):
         time.sleep(0.005)
         return list(lengths.tolist())
 

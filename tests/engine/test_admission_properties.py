@@ -38,7 +38,7 @@ class Backend:
         self.computed = computed
         self.lock = threading.Lock()
 
-    def __call__(self, ids, lengths):
+    def __call__(self, ids, lengths, requests):
         rows, at = [], 0
         for n in lengths.tolist():
             rows.append(tuple(ids[at : at + n].tolist()))

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from embed_service.engine.replicas import ReplicaLostError, Replicas, batch_deadline
+from embed_service.outputs import DENSE_ONLY
 from embed_service.workers.group import WorkerDiedError
 
 PIDS = itertools.count(1000)
@@ -35,7 +36,7 @@ class Group:
             raise WorkerDiedError("worker 0 failed while loading:\nOSError: no weights")
         self.rank_info = [{"pid": self.pids[0], "warmup_seconds_per_token": 1e-4}]
 
-    def run(self, ids, lengths):
+    def run(self, ids, lengths, requests):
         if self.dead:
             raise WorkerDiedError(self.dead)
         return np.zeros((len(lengths), 4), dtype=np.float32)
@@ -100,7 +101,7 @@ def test_a_dead_replica_is_restarted_while_the_other_serves():
         first = h.groups[0]
         first.die("worker 0 (pid 1000) was killed by SIGKILL")
         with pytest.raises(ReplicaLostError, match="killed by SIGKILL"):
-            h.replicas.compute(0, np.ones(4, dtype=np.int32), np.array([4], dtype=np.int32))
+            h.replicas.compute(0, np.ones(4, dtype=np.int32), np.array([4], dtype=np.int32), [DENSE_ONLY])
         await settle(lambda: h.replicas.up == 1)
         assert h.changes[-1] == (1, "worker 0 (pid 1000) was killed by SIGKILL")
         await settle(lambda: h.replicas.up == 2)

@@ -4,6 +4,7 @@ CPU has them), against the same model in float32, over real queries and passages
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -11,6 +12,7 @@ from transformers import AutoTokenizer
 from embed_service.models.loader import Embedder
 from embed_service.models.spec import load_spec
 from embed_service.ops.batch import FlatBatch
+from embed_service.outputs import DENSE_ONLY
 from tests.server import read_corpus
 
 
@@ -32,7 +34,17 @@ def test_bfloat16_stays_within_0_999_of_float32(models, corpus, n):
     flat = torch.tensor([t for seq in ids for t in seq])
     with torch.inference_mode():
         out = {
-            dt: m(FlatBatch.from_lengths(flat, [len(s) for s in ids])).float() for dt, m in by_dtype.items()
+            dt: torch.from_numpy(
+                np.stack(
+                    [
+                        o.dense
+                        for o in m(
+                            FlatBatch.from_lengths(flat, [len(s) for s in ids]), [DENSE_ONLY] * len(ids)
+                        )
+                    ]
+                )
+            )
+            for dt, m in by_dtype.items()
         }
     cos = torch.nn.functional.cosine_similarity(out[torch.float32], out[torch.bfloat16], dim=-1)
     worst = int(cos.argmin())

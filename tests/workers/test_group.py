@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file, save_file
 
+from embed_service.outputs import DENSE_ONLY
 from embed_service.workers.group import WorkerDiedError, WorkerGroup, free_port
 from embed_service.workers.worker import WorkerConfig
 
@@ -43,8 +44,9 @@ def test_a_killed_worker_fails_the_batch_and_is_reported_once(default_model_path
         group.wait_ready(lambda _: None)
         assert [info["rank"] for info in group.rank_info] == [0, 1]
         ids = np.full(2 * 100, 1037, dtype=np.int32)
-        out = group.run(ids, np.array([100, 100], dtype=np.int32))
-        assert out.shape == (2, 384) and out.dtype == np.float32
+        out = group.run(ids, np.array([100, 100], dtype=np.int32), [DENSE_ONLY] * 2)
+        assert len(out) == 2 and all(o.kinds() == {"dense"} for o in out)
+        assert all(o.dense.shape == (384,) and o.dense.dtype == np.float32 for o in out)
 
         # A batch long enough to be in flight when rank 1 dies: rank 0 is left waiting in a collective.
         big = np.full(64 * 128, 1037, dtype=np.int32)
@@ -52,7 +54,7 @@ def test_a_killed_worker_fails_the_batch_and_is_reported_once(default_model_path
 
         def run_big() -> None:
             try:
-                group.run(big, np.full(64, 128, dtype=np.int32))
+                group.run(big, np.full(64, 128, dtype=np.int32), [DENSE_ONLY] * 64)
                 result["outcome"] = "ok"
             except WorkerDiedError as exc:
                 result["outcome"] = exc
@@ -67,7 +69,7 @@ def test_a_killed_worker_fails_the_batch_and_is_reported_once(default_model_path
         if result["outcome"] != "ok":  # it may have finished before the kill landed
             assert f"worker 1 (pid {victim}) was killed by SIGKILL" in str(result["outcome"])
         with pytest.raises(WorkerDiedError, match=rf"worker 1 \(pid {victim}\) was killed by SIGKILL"):
-            group.run(ids, np.array([100, 100], dtype=np.int32))
+            group.run(ids, np.array([100, 100], dtype=np.int32), [DENSE_ONLY] * 2)
         assert_all_exited(group)
         time.sleep(0.2)
         assert deaths == [f"worker 1 (pid {victim}) was killed by SIGKILL"]
@@ -127,7 +129,7 @@ def test_a_stopped_worker_is_declared_dead_by_its_heartbeat(default_model_path):
         )
         assert_all_exited(group)  # killed, although stopped
         with pytest.raises(WorkerDiedError, match="stopped responding"):
-            group.run(np.ones(4, dtype=np.int32), np.array([4], dtype=np.int32))
+            group.run(np.ones(4, dtype=np.int32), np.array([4], dtype=np.int32), [DENSE_ONLY])
     finally:
         group.close()
 
@@ -141,7 +143,7 @@ def test_a_batch_past_its_deadline_kills_the_group_instead_of_waiting_forever(de
         big = np.full(64 * 128, 1037, dtype=np.int32)  # far longer than 20 ms on any CPU
         t0 = time.monotonic()
         with pytest.raises(WorkerDiedError, match=r"did not answer a batch of 8192 tokens within 0.02s"):
-            group.run(big, np.full(64, 128, dtype=np.int32))
+            group.run(big, np.full(64, 128, dtype=np.int32), [DENSE_ONLY] * 64)
         assert time.monotonic() - t0 < 5
         assert len(deaths) == 1 and "did not answer" in deaths[0]
         assert_all_exited(group)

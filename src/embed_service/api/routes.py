@@ -39,6 +39,8 @@ from embed_service.api.schemas import (
     Info,
     Live,
     ModelList,
+    SparseEmbedRequest,
+    SparseEmbedResponse,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -178,6 +180,7 @@ async def embeddings(request: Request, _: Authorized) -> Response:
         body.dimensions,
         body.prompt_name,
         body.prompt,
+        outputs=frozenset(body.outputs) if body.outputs else None,
     )
     dimension = body.dimensions or engine.spec.dimension  # checked before any work is paid for
     ranges = encodings.check_ranges(body.embed_dtype, body.embed_ranges, dimension)
@@ -186,13 +189,23 @@ async def embeddings(request: Request, _: Authorized) -> Response:
         opts.chunking = ChunkOptions(c.enabled, c.overlap, c.return_chunks)
     result = await until_disconnect(request, engine.embed(body.input, opts))
     note(request, tokens=result.prompt_tokens)
-    # base64 strings, or arrays orjson writes straight as numbers: no per-value Python objects.
-    rows = encodings.rows(result.embeddings, body.embed_dtype, body.encoding_format, ranges)
-    data = [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)]
+    b64 = body.encoding_format == "base64"
+    data: list[dict[str, Any]] = [{"object": "embedding", "index": i} for i in range(len(body.input))]
+    if body.outputs is None or "dense" in body.outputs:
+        # base64 strings, or arrays orjson writes straight as numbers: no per-value Python objects.
+        rows = encodings.rows(result.embeddings, body.embed_dtype, body.encoding_format, ranges)
+        for item, row in zip(data, rows):
+            item["embedding"] = row
     if result.chunks is not None:
         for item, chunks in zip(data, result.chunks):
             windows = encodings.rows(chunks.vectors, body.embed_dtype, body.encoding_format, ranges)
             item["chunks"] = chunk_items(chunks, windows)
+    for item, sparse in zip(data, result.sparse or ()):
+        item["sparse"] = {"indices": sparse.indices, "values": sparse.values}
+        if body.sparse_tokens:
+            item["sparse"]["tokens"] = engine.tokenizer.tokens(sparse.indices.tolist())
+    for item, matrix in zip(data, result.colbert or ()):  # float32 whatever the embed_dtype
+        item["colbert"] = encodings.base64_rows(matrix) if b64 else matrix
     return json_response(
         {
             "object": "list",
@@ -200,6 +213,33 @@ async def embeddings(request: Request, _: Authorized) -> Response:
             "model": body.model or engine.name,
             "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
         }
+    )
+
+
+@router.post(
+    "/embed_sparse",
+    summary="Lexical (sparse) weights, as text-embeddings-inference's /embed_sparse",
+    openapi_extra=json_body(SparseEmbedRequest, {"inputs": ["hello world"]}),
+    responses={**ok(SparseEmbedResponse), **errors(400, 404, 408, 413, 415, 429, 500, 503)},
+)
+async def embed_sparse(request: Request, _: Authorized) -> Response:
+    body = await read_json(request, SparseEmbedRequest)
+    note(request, inputs=len(body.inputs))
+    engine = serving(request, body.model)
+    opts = EmbedOptions(
+        body.truncate,
+        body.truncation_direction,
+        prompt_name=body.prompt_name,
+        prompt=body.prompt,
+        outputs=frozenset({"sparse"}),
+    )
+    result = await until_disconnect(request, engine.embed(body.inputs, opts))
+    note(request, tokens=result.prompt_tokens)
+    return json_response(
+        [
+            [{"index": int(i), "value": float(v)} for i, v in zip(s.indices, s.values)]
+            for s in result.sparse or ()
+        ]
     )
 
 

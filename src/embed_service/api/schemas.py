@@ -13,6 +13,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    RootModel,
     StrictBool,
     StrictFloat,
     StrictInt,
@@ -135,10 +136,33 @@ class EmbeddingRequest(BaseModel):
     """int8/uint8 only: [low, high] for every dimension, or [[lows...], [highs...]]. Default [-1, 1]."""
     chunking: Chunking | None = None
     """Embed texts past the max input length as averaged windows (default: the server's --chunk-long-inputs)."""
+    outputs: list[Literal["dense", "sparse", "colbert"]] | None = Field(None, min_length=1)
+    """The outputs of each input, from one forward (default: dense). ``sparse`` (lexical weights) and
+    ``colbert`` (one vector per token) need a model with those heads (bge-m3); see docs/api.md."""
+    sparse_tokens: StrictBool = False
+    """With a sparse output: also each token id's token, as ``sparse.tokens``."""
 
     @field_validator("input", mode="before")
     @classmethod
     def _input(cls, v: Any) -> Any:
+        return _check_input(v)
+
+
+class SparseEmbedRequest(BaseModel):
+    """POST /embed_sparse (text-embeddings-inference's route): lexical weights only."""
+
+    model_config = ConfigDict(extra="ignore", use_attribute_docstrings=True)
+
+    inputs: Annotated[list[str] | list[list[int]], EMBED_INPUT]
+    model: str | None = None
+    truncate: StrictBool | None = None
+    truncation_direction: Literal["right", "left"] = "right"
+    prompt_name: StrictStr | None = None
+    prompt: StrictStr | None = None
+
+    @field_validator("inputs", mode="before")
+    @classmethod
+    def _inputs(cls, v: Any) -> Any:
         return _check_input(v)
 
 
@@ -191,14 +215,39 @@ class Chunk(BaseModel):
     embedding: list[float] | str
 
 
+class SparseVector(BaseModel):
+    indices: list[int]
+    """Token ids, ascending."""
+    values: list[float]
+    """Their weights (> 0), the largest per token id."""
+    tokens: list[str] | None = None
+    """The tokens of `indices`, with ``sparse_tokens: true``."""
+
+
 class Embedding(BaseModel):
     object: Literal["embedding"]
     index: int
-    embedding: list[float] | str
+    embedding: list[float] | str | None = None
     """Numbers (integers for the integer and bit embed_dtypes), or with ``encoding_format: base64`` the
-    base64 of the vector's little-endian bytes."""
+    base64 of the vector's little-endian bytes. Present when the dense output was asked for (the default)."""
     chunks: list[Chunk] | None = None
     """With ``chunking.return_chunks``: the windows, in order."""
+    sparse: SparseVector | None = None
+    """With ``outputs`` naming ``sparse``."""
+    colbert: list[list[float]] | list[str] | None = None
+    """With ``outputs`` naming ``colbert``: one normalized vector per token after the first, as floats or
+    (``encoding_format: base64``) one base64 string each."""
+
+
+class SparseValue(BaseModel):
+    index: int
+    """A token id."""
+    value: float
+    """Its weight."""
+
+
+class SparseEmbedResponse(RootModel[list[list[SparseValue]]]):
+    """POST /embed_sparse: per input, its (token id, weight) pairs, ascending ids."""
 
 
 class Usage(BaseModel):

@@ -30,11 +30,12 @@ import numpy as np
 from embed_service import metrics
 from embed_service.batching.policy import PriorityFirst
 from embed_service.batching.sequence import Sequence, mark_ran
+from embed_service.outputs import OutputRequest
 
 log = logging.getLogger(__name__)
 
-# (flat token ids (T,) int32, lengths (B,) int32) -> one result object per sequence
-ComputeFn = Callable[[np.ndarray, np.ndarray], list[Any]]
+# (flat token ids (T,) int32, lengths (B,) int32, one OutputRequest per sequence) -> one result per sequence
+ComputeFn = Callable[[np.ndarray, np.ndarray, list[OutputRequest]], list[Any]]
 
 
 class BackendLost(Exception):
@@ -281,7 +282,8 @@ class Batcher:
             self._busy[index] = True
             self._running[index] = batch
             try:
-                results = await loop.run_in_executor(pool, compute, ids, lengths)
+                requests = [s.output for s in batch]
+                results = await loop.run_in_executor(pool, compute, ids, lengths, requests)
                 if len(results) != len(batch):
                     raise ShortResultError(
                         f"replica {index} returned {len(results)} results for a batch of {len(batch)}"

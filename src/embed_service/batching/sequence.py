@@ -6,6 +6,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from embed_service.outputs import DENSE_ONLY, OutputRequest
+
 
 @dataclass(eq=False)
 class RequestState:
@@ -31,6 +33,7 @@ class Sequence:
     ids: list[int]
     future: asyncio.Future
     request: RequestState
+    output: OutputRequest = DENSE_ONLY  # what the worker computes for it (outputs.py)
     enqueued_at: float = 0.0
     ran: BatchRun | None = None  # set when its batch has run (or failed)
     extra: dict = field(default_factory=dict)

@@ -34,6 +34,16 @@ from embed_service.engine.tokenizer import (
     Truncation,
 )
 from embed_service.models.spec import ModelSpec
+from embed_service.outputs import (
+    COLBERT,
+    DENSE,
+    DENSE_ONLY,
+    KINDS,
+    SPARSE,
+    OutputRequest,
+    SequenceOutput,
+    Sparse,
+)
 from embed_service.parallel import check_shardable
 from embed_service.workers.device import (
     available_cores,
@@ -61,20 +71,17 @@ class EmbedOptions:
     prompt_name: str | None = None
     prompt: str | None = None
     chunking: chunking.ChunkOptions | None = None  # long inputs (engine/chunking.py)
-
-
-@dataclass
-class Pooled:
-    """One sequence's pooled output (dense today; room for sparse and multi-vector outputs)."""
-
-    dense: np.ndarray  # (D,) float32, not normalized
+    outputs: frozenset[str] | None = None
+    """The output kinds (outputs.KINDS) each input asks for; None: dense only."""
 
 
 @dataclass
 class EmbedResult:
-    embeddings: np.ndarray  # (n, d) float32, C-contiguous
+    embeddings: np.ndarray  # (n, d) float32, C-contiguous; (n, 0) when dense was not asked for
     prompt_tokens: int
     chunks: list[chunking.Chunks] | None = None  # per input, with chunking.return_chunks
+    sparse: list[Sparse] | None = None  # per input, special tokens dropped, when asked for
+    colbert: list[np.ndarray] | None = None  # per input (L - 1, C) float32, normalized, when asked for
 
 
 def finish(vectors: np.ndarray, dimensions: int | None, normalize: bool) -> np.ndarray:
@@ -285,8 +292,29 @@ class Engine:
             }[self.state]
             raise NotReadyError(f"model {self.name} {what}")
 
-    def _compute(self, ids: np.ndarray, lengths: np.ndarray, replica: int = 0) -> list[Pooled]:
-        return [Pooled(row) for row in self.replica_set.compute(replica, ids, lengths)]
+    def _compute(
+        self, ids: np.ndarray, lengths: np.ndarray, requests: list[OutputRequest], replica: int = 0
+    ) -> list[SequenceOutput]:
+        return self.replica_set.compute(replica, ids, lengths, requests)
+
+    def output_request(self, kinds: frozenset[str] | None) -> OutputRequest:
+        """What each input of a request asks the workers for; a kind this model cannot give is a 400."""
+        if kinds is None:
+            return DENSE_ONLY
+        if not kinds:
+            raise InvalidInputError("outputs must name at least one output kind", param="outputs")
+        missing = sorted(kinds - self.spec.outputs)
+        if missing:
+            raise InvalidInputError(
+                f"model {self.name} does not give {', '.join(missing)} outputs (it gives "
+                f"{', '.join(k for k in KINDS if k in self.spec.outputs)}); see docs/models.md",
+                param="outputs",
+            )
+        return OutputRequest(frozenset(kinds))
+
+    def _sparse(self, s: Sparse) -> Sparse:
+        keep = ~np.isin(s.indices, self.tokenizer.lexical_skip_ids)
+        return Sparse(s.indices[keep], s.values[keep])
 
     def truncation(self, opts: EmbedOptions) -> Truncation:
         enabled = self.settings.auto_truncate if opts.truncate is None else opts.truncate
@@ -394,10 +422,16 @@ class Engine:
             raise InvalidInputError(
                 f"dimensions must be in 1..{self.spec.dimension}, got {opts.dimensions}", param="dimensions"
             )
+        output = self.output_request(opts.outputs)
         rule = self.truncation(opts)
         prompt = self._prompt(inputs, opts)
         chunk_rule = self._chunk_rule(inputs, opts)
         if chunk_rule is not None:  # long inputs as windows: engine/chunking.py
+            if output.kinds != {"dense"}:
+                raise InvalidInputError(
+                    "chunking averages dense vectors; ask for the sparse and colbert outputs without it",
+                    param="chunking",
+                )
             return await self._embed_windowed(inputs, opts, chunk_rule, prompt)  # type: ignore[arg-type]
         permit = self._admit(inputs, prompt)
         state = RequestState()
@@ -411,7 +445,7 @@ class Engine:
             if self.state == "failed":  # a drain still finishes what it admitted; a dead worker cannot
                 self._check_ready()
             assert self.batcher is not None
-            seqs = [Sequence(ids, loop.create_future(), state) for ids in seqs_ids]
+            seqs = [Sequence(ids, loop.create_future(), state, output) for ids in seqs_ids]
             submitted.extend(seqs)
             tokens += sum(len(ids) for ids in seqs_ids)
             # Interactive requests (admitted into the reserve) of few tokens take the priority lane;
@@ -425,9 +459,20 @@ class Engine:
             results = await run_piecewise(permit, len(inputs), start)
             observability.trace_batches(submitted)
             normalize = self.spec.normalize if opts.normalize is None else opts.normalize
-            vectors = finish(np.stack([r.dense for r in results]), opts.dimensions, normalize)
+            kinds = output.kinds
+            dense = (
+                np.stack([r.dense for r in results])
+                if DENSE in kinds
+                else np.zeros((len(results), 0), np.float32)
+            )
+            vectors = finish(dense, opts.dimensions, normalize)
             metrics.INPUT_TOKENS.labels(self.name).inc(tokens)
-            return EmbedResult(vectors, tokens)
+            return EmbedResult(
+                vectors,
+                tokens,
+                sparse=[self._sparse(r.sparse) for r in results] if SPARSE in kinds else None,
+                colbert=[r.colbert for r in results] if COLBERT in kinds else None,
+            )
         except BaseException:
             state.cancelled = True  # the client went away, or a batch failed: drop the rest
             raise
@@ -548,6 +593,7 @@ class Engine:
             "model_path": str(self.spec.path),
             "architecture": self.spec.architecture,
             "pooling": self.spec.pooling,
+            "outputs": [k for k in KINDS if k in self.spec.outputs],
             "normalize": self.spec.normalize,
             "dimension": self.spec.dimension,
             "max_input_length": self.spec.max_input_length,

@@ -29,6 +29,7 @@ import numpy as np
 from embed_service import metrics
 from embed_service.batching.batcher import BackendLost, Batcher
 from embed_service.engine.errors import NotReadyError
+from embed_service.outputs import OutputRequest, SequenceOutput
 from embed_service.workers.group import WorkerDiedError, WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -148,10 +149,12 @@ class Replicas:
     def batch_timeouts(self) -> list[float | None]:
         return [r.group.batch_timeout for r in self.replicas]
 
-    def compute(self, index: int, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    def compute(
+        self, index: int, ids: np.ndarray, lengths: np.ndarray, requests: list[OutputRequest]
+    ) -> list[SequenceOutput]:
         """Run one batch on replica `index` (blocking; on a compute thread)."""
         try:
-            return self.replicas[index].group.run(ids, lengths)
+            return self.replicas[index].group.run(ids, lengths, requests)
         except WorkerDiedError as exc:
             raise ReplicaLostError(f"model {self.model} is unavailable: {exc}") from None
 

@@ -114,6 +114,9 @@ class Tokenizer:
         # The template's own ids, to rebuild a sequence around content tokens taken from a window.
         self.template_head = list(probe.ids[: self.prefix_len])
         self.template_tail = list(probe.ids[content[-1] + 1 :]) if content else []
+        # The ids lexical (sparse) weights leave out, as FlagEmbedding's BGEM3FlagModel: cls, eos, pad, unk.
+        special = (hf.cls_token_id, hf.eos_token_id, hf.pad_token_id, hf.unk_token_id)
+        self.lexical_skip_ids = sorted({int(i) for i in special if i is not None})
         self.prompts = spec.prompts
         self.default_prompt_name = spec.default_prompt_name
         # Characters one token covers at most (see the module docstring).
@@ -290,6 +293,10 @@ class Tokenizer:
             if width >= limit:
                 raise InputCharsError(index, len(text), limit, f"its end does not make {need} tokens")
             width *= GROWTH
+
+    def tokens(self, ids: list[int]) -> list[str]:
+        """The vocabulary's token for each id (ids known to be in range)."""
+        return [self.backend.id_to_token(i) or "" for i in ids]
 
     def check_ids(self, seqs: list[list[int]]) -> None:
         for i, seq in enumerate(seqs):

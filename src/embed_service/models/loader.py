@@ -15,9 +15,11 @@ from torch import nn
 
 from embed_service.layers.linear import ReplicatedLinear, default_weight_loader
 from embed_service.models.checkpoint import weight_files
+from embed_service.models.heads import OutputHeads, load_linear
 from embed_service.models.spec import DenseSpec, ModelSpec
 from embed_service.ops.batch import FlatBatch, padded_tokens
 from embed_service.ops.pooling import POOLERS
+from embed_service.outputs import OutputRequest, SequenceOutput
 
 
 def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -93,7 +95,8 @@ class DenseHead(nn.Module):
 
 
 class Embedder(nn.Module):
-    """Transformer -> pooling -> Dense layers: (T,) token ids -> (B, dimension) float32, not normalized.
+    """Transformer -> output heads: (T,) token ids and one OutputRequest per sequence -> one SequenceOutput
+    per sequence (models/heads.py). Dense vectors come out not normalized.
 
     Normalization and Matryoshka truncation are per request, so they happen after this, in the engine.
     """
@@ -108,22 +111,24 @@ class Embedder(nn.Module):
         finally:
             torch.set_default_dtype(prev)
         load_weights(self.model, spec.path)
-        self.pool = POOLERS[spec.pooling]
-        self.dense = nn.ModuleList()
+        dense = nn.ModuleList()
         for d in spec.dense:
             head = DenseHead(d)
             load_weights(head, d.path)
-            self.dense.append(head.to(device))
+            dense.append(head.to(device))
+        self.heads = OutputHeads(
+            POOLERS[spec.pooling],
+            dense,
+            load_linear(spec.sparse_head, device) if spec.sparse_head else None,
+            load_linear(spec.colbert_head, device) if spec.colbert_head else None,
+        )
 
     @torch.inference_mode()
-    def forward(self, batch: FlatBatch) -> torch.Tensor:
+    def forward(self, batch: FlatBatch, requests: list[OutputRequest]) -> list[SequenceOutput]:
         tokens = int(batch.cu_seqlens[-1])
         run = batch.padded(padded_tokens(tokens)) if batch.input_ids.device.type == "cpu" else batch
         hidden = self.model(run)[:tokens]  # (T, H): the real rows
-        pooled = self.pool(hidden, batch.cu_seqlens)  # (B, H) float32
-        for d in self.dense:
-            pooled = d(pooled)
-        return pooled
+        return self.heads(hidden, batch.input_ids[:tokens], batch.cu_seqlens, requests)
 
     def parameter_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())

@@ -65,6 +65,20 @@ class ModelSpec:
     prompts: dict[str, str] = field(default_factory=dict)
     """Named prompts from config_sentence_transformers.json, prepended to text inputs."""
     default_prompt_name: str | None = None
+    sparse_head: Path | None = None
+    """bge-m3's sparse_linear.pt (lexical weights), when the folder has it."""
+    colbert_head: Path | None = None
+    """bge-m3's colbert_linear.pt (multi-vector), when the folder has it."""
+
+    @property
+    def outputs(self) -> frozenset[str]:
+        """The output kinds this model gives: dense always, sparse and colbert with bge-m3's heads."""
+        kinds = {"dense"}
+        if self.sparse_head is not None:
+            kinds.add("sparse")
+        if self.colbert_head is not None:
+            kinds.add("colbert")
+        return frozenset(kinds)
 
     @property
     def hidden_size(self) -> int:
@@ -203,6 +217,9 @@ def load_spec(path: str | Path, max_input_length: int | None = None) -> ModelSpe
         position_limit=position_limit,
         prompts=prompts,
         default_prompt_name=default_prompt_name,
+        # bge-m3's layout: the heads beside the transformer's weights (FlagEmbedding loads them by name).
+        sparse_head=path / "sparse_linear.pt" if (path / "sparse_linear.pt").is_file() else None,
+        colbert_head=path / "colbert_linear.pt" if (path / "colbert_linear.pt").is_file() else None,
     )
     spec.max_input_length = max_input_length or default_max_length(path, position_limit)
     if spec.max_input_length > position_limit:

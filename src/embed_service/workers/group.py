@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from embed_service.outputs import OutputRequest, SequenceOutput, check_outputs
 from embed_service.workers.worker import WorkerConfig, worker_main
 
 log = logging.getLogger(__name__)
@@ -203,8 +204,11 @@ class WorkerGroup:
             self.on_death(reason)
         self._kill_all()  # reap them
 
-    def run(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """(T,) int32 token ids, (B,) int32 lengths -> (B, D) float32 pooled vectors. Blocking.
+    def run(
+        self, ids: np.ndarray, lengths: np.ndarray, requests: list[OutputRequest]
+    ) -> list[SequenceOutput]:
+        """(T,) int32 token ids, (B,) int32 lengths, B output requests -> B results, each with the kinds
+        its sequence asked for (checked: OutputMismatchError otherwise). Blocking.
 
         Raises WorkerDiedError, naming the worker that died, when the group is or becomes dead.
         """
@@ -213,7 +217,7 @@ class WorkerGroup:
                 raise WorkerDiedError(self.dead_reason)
             try:
                 for conn in self.conns:
-                    conn.send(("run", ids, lengths))
+                    conn.send(("run", ids, lengths, list(requests)))
                 msg = self._answer(int(ids.size))
             except (EOFError, OSError):
                 msg = ("fatal", "a worker exited during a batch")
@@ -221,7 +225,7 @@ class WorkerGroup:
             self._die(msg[1])
             raise WorkerDiedError(self.dead_reason)
         if msg[0] == "ok":
-            return msg[1]
+            return check_outputs(requests, msg[1])
         if msg[0] == "error":  # one rank only: the batch failed, the worker lives on
             raise RuntimeError(msg[1])
         # Rank 0 is gone or failing: with several ranks the cause is often another rank (rank 0 then fails

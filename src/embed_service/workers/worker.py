@@ -1,8 +1,8 @@
 """The body of one worker process: build this rank's shard of the model, warm up, then run batches.
 
-Messages in: ("run", ids (T,) int32, lengths (B,) int32) or ("stop",). Messages out: ("log", text) and
-("ready", info) while starting; then, from rank 0 only, ("ok", pooled (B, D) float32) or ("error", text)
-per batch. A parent that goes away closes the pipe, and the worker exits.
+Messages in: ("run", ids (T,) int32, lengths (B,) int32, requests: B OutputRequests) or ("stop",). Messages
+out: ("log", text) and ("ready", info) while starting; then, from rank 0 only, ("ok", B SequenceOutputs, in
+batch order, each with the kinds its sequence asked for) or ("error", text) per batch (outputs.py). A parent that goes away closes the pipe, and the worker exits.
 
 A heartbeat thread writes the monotonic clock into a shared double every HEARTBEAT_INTERVAL_S: the group's
 watcher reads it to tell a stopped or frozen worker (SIGSTOP, a frozen cgroup) from a busy one, which keeps
@@ -96,6 +96,7 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
     from embed_service.models.loader import Embedder
     from embed_service.models.spec import load_spec
     from embed_service.ops.batch import FlatBatch
+    from embed_service.outputs import OutputRequest
     from embed_service.parallel import set_tensor_parallel
     from embed_service.workers.device import DTYPES
 
@@ -126,18 +127,18 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
     model = Embedder(spec, DTYPES[cfg.dtype], device).eval()
     say(f"weights loaded in {time.perf_counter() - t0:.1f}s; warming up")
 
-    def run(ids, lengths):
+    def run(ids, lengths, requests):
         batch = FlatBatch.from_lengths(torch.from_numpy(ids), lengths.tolist()).to(device)
-        out = model(batch)
-        return out.float().cpu().numpy()
+        return model(batch, requests)
 
     import numpy as np
 
+    everything = [OutputRequest(spec.outputs)] * 2  # warm every head the model has
     t1 = time.perf_counter()
     n = spec.max_input_length  # the longest shape once, then a short one
-    run(np.ones(n * 2, dtype=np.int32), np.array([n, n], dtype=np.int32))
+    run(np.ones(n * 2, dtype=np.int32), np.array([n, n], dtype=np.int32), everything)
     longest_s = time.perf_counter() - t1  # first use included: an upper bound for the shape
-    run(np.ones(32, dtype=np.int32), np.array([16, 16], dtype=np.int32))
+    run(np.ones(32, dtype=np.int32), np.array([16, 16], dtype=np.int32), everything)
     say(f"warm-up done in {time.perf_counter() - t1:.1f}s")
     conn.send(
         (
@@ -157,9 +158,9 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
         msg = conn.recv()
         if msg[0] == "stop":
             return
-        _, ids, lengths = msg
+        _, ids, lengths, requests = msg
         try:
-            out = run(ids, lengths)
+            out = run(ids, lengths, requests)
         except Exception as exc:
             if cfg.world_size > 1:
                 raise  # the ranks are out of step: let the group fail as a whole

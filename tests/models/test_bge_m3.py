@@ -1,0 +1,282 @@
+"""bge-m3's three outputs (dense, sparse, ColBERT) from one forward, against FlagEmbedding's formulas.
+
+A tiny random XLM-RoBERTa with random heads, saved in bge-m3's layout (``sparse_linear.pt``,
+``colbert_linear.pt`` beside the weights; CLS pooling and Normalize as sentence-transformers files), served
+by a real server in float32. The reference is BGEM3FlagModel's computation written out in plain torch over
+transformers' hidden states (right-padded batches with an attention mask): FlagEmbedding 1.4.2 cannot be
+imported beside transformers 5 (its package imports ``transformers.modeling_attn_mask_utils``, which
+transformers 5 removed). Formulas from FlagEmbedding/finetune/embedder/encoder_only/m3/modeling.py and
+inference/embedder/encoder_only/m3.py:
+dense = normalize(h[:, 0]); sparse = relu(sparse_linear(h)) per token, cls/eos/pad/unk dropped, weights
+> 0, the maximum per token id; colbert = normalize(colbert_linear(h[:, 1:]) * mask[:, 1:]), the first
+(tokens - 1) rows.
+"""
+
+from __future__ import annotations
+
+import base64
+import shutil
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import transformers as T
+
+from tests.models.tiny import Tiny, build, texts
+from tests.server import ServerProcess
+
+TINY = Tiny(
+    "bge-m3",
+    "XLMRobertaModel",
+    lambda: T.XLMRobertaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        vocab_size=49152,
+        pad_token_id=3,
+        max_position_embeddings=300,
+        type_vocab_size=1,
+    ),
+    tokenizer="bpe-template",
+    pooling="cls",
+    normalize=True,
+    max_seq_length=96,
+)
+COLBERT_DIM = 48  # not the hidden size: a wrong head shape cannot pass
+
+
+def write_bge_m3(path: Path, sources: dict[str, Path]) -> Path:
+    build(TINY, path, sources)
+    from transformers import AutoTokenizer
+
+    # XLM-R's special tokens: <s> is the CLS token and </s> the EOS token (here SmolLM2's chat markers,
+    # which the template puts around every text), as bge-m3's tokenizer declares them.
+    tok = AutoTokenizer.from_pretrained(str(path))
+    tok.cls_token, tok.eos_token = "<|im_start|>", "<|im_end|>"
+    tok.save_pretrained(str(path))
+    g = torch.Generator().manual_seed(1)
+    hidden = TINY.config().hidden_size
+    sparse = torch.nn.Linear(hidden, 1)
+    colbert = torch.nn.Linear(hidden, COLBERT_DIM)
+    with torch.no_grad():
+        for layer in (sparse, colbert):
+            layer.weight.copy_(torch.randn(layer.weight.shape, generator=g) * 0.3)
+            layer.bias.copy_(torch.randn(layer.bias.shape, generator=g) * 0.1)
+    torch.save(sparse.state_dict(), path / "sparse_linear.pt")
+    torch.save(colbert.state_dict(), path / "colbert_linear.pt")
+    return path
+
+
+def reference(path: Path, inputs: list[str]) -> tuple[np.ndarray, list[dict[int, float]], list[np.ndarray]]:
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModel.from_pretrained(str(path), dtype=torch.float32).eval()
+    sparse_linear = torch.nn.Linear(model.config.hidden_size, 1)
+    sparse_linear.load_state_dict(torch.load(path / "sparse_linear.pt", weights_only=True))
+    colbert_linear = torch.nn.Linear(model.config.hidden_size, COLBERT_DIM)
+    colbert_linear.load_state_dict(torch.load(path / "colbert_linear.pt", weights_only=True))
+    unused = {
+        tok.convert_tokens_to_ids(tok.special_tokens_map[t])
+        for t in ("cls_token", "eos_token", "pad_token", "unk_token")
+        if t in tok.special_tokens_map
+    }
+    dense, sparse, colbert = [], [], []
+    with torch.inference_mode():
+        for start in range(0, len(inputs), 16):
+            enc = tok(
+                inputs[start : start + 16],
+                truncation=True,
+                max_length=TINY.max_seq_length,
+                padding=True,
+                return_tensors="pt",
+            )
+            h = model(**enc).last_hidden_state
+            dense.append(torch.nn.functional.normalize(h[:, 0], dim=-1).numpy())
+            weights = torch.relu(sparse_linear(h)).squeeze(-1)
+            vecs = colbert_linear(h[:, 1:]) * enc["attention_mask"][:, 1:][:, :, None].float()
+            vecs = torch.nn.functional.normalize(vecs, dim=-1)
+            for row in range(h.shape[0]):
+                result: dict[int, float] = {}
+                for w, idx in zip(weights[row].tolist(), enc["input_ids"][row].tolist()):
+                    if idx not in unused and w > 0 and w > result.get(idx, 0):
+                        result[idx] = w
+                sparse.append(result)
+                n = int(enc["attention_mask"][row].sum())
+                colbert.append(vecs[row, : n - 1].numpy())
+    return np.concatenate(dense), sparse, colbert
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tokenizer_sources):
+    path = write_bge_m3(tmp_path_factory.mktemp("bge-m3"), tokenizer_sources)
+    plain = tmp_path_factory.mktemp("xlmr-plain") / "model"
+    shutil.copytree(path, plain, ignore=shutil.ignore_patterns("*.pt"))
+    servers = [ServerProcess("--model", str(p), "--dtype", "float32") for p in (path, plain)]
+    try:
+        for s in servers:
+            s.wait_healthy()
+        yield path, servers[0].url, servers[1].url
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def post(url: str, body: dict, route: str = "/v1/embeddings") -> httpx.Response:
+    return httpx.post(url + route, json=body, timeout=300)
+
+
+def all_outputs(url: str, inputs, **kw) -> list[dict]:
+    r = post(url, {"input": inputs, "outputs": ["dense", "sparse", "colbert"], **kw})
+    assert r.status_code == 200, r.text
+    return r.json()["data"]
+
+
+@pytest.fixture(scope="module")
+def ours_and_ref(served):
+    path, url, _ = served
+    inputs = texts()
+    return inputs, all_outputs(url, inputs), reference(path, inputs)
+
+
+def cos_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+def test_three_outputs_match_flagembedding_formulas(served, ours_and_ref):
+    from transformers import AutoTokenizer
+
+    inputs, data, (dense, sparse, colbert) = ours_and_ref
+    tok = AutoTokenizer.from_pretrained(str(served[0]))
+    special = {tok.cls_token_id, tok.eos_token_id, tok.pad_token_id}
+    ours_dense = np.array([d["embedding"] for d in data], dtype=np.float32)
+    dense_cos = cos_rows(ours_dense, dense)
+    worst_colbert, worst_sparse = 1.0, 0.0
+    for i, item in enumerate(data):
+        got = dict(zip(item["sparse"]["indices"], item["sparse"]["values"]))
+        assert set(got) == set(sparse[i]), f"text {i}: token sets differ"
+        assert not set(got) & special, f"text {i}: a special token has a weight"
+        assert item["sparse"]["indices"] == sorted(got)
+        if got:
+            worst_sparse = max(worst_sparse, max(abs(got[k] - sparse[i][k]) for k in got))
+        matrix = np.array(item["colbert"], dtype=np.float32)
+        assert matrix.shape == colbert[i].shape, f"text {i}"
+        worst_colbert = min(worst_colbert, float(cos_rows(matrix, colbert[i]).min()))
+    print(
+        f"\nbge-m3 tiny over {len(inputs)} texts: dense min cosine {dense_cos.min():.8f}, colbert min cosine "
+        f"{worst_colbert:.8f}, sparse max |diff| {worst_sparse:.2e}"
+    )
+    assert dense_cos.min() >= 0.99999
+    assert worst_colbert >= 0.99999
+    assert worst_sparse <= 1e-5
+    assert sum(len(s) for s in sparse) > len(inputs)  # the heads are not all-zero: the test can fail
+
+
+def test_dense_alone_is_the_openai_shape(served, ours_and_ref):
+    _, url, _ = served
+    inputs, data, _ = ours_and_ref
+    body = post(url, {"input": inputs[:5]}).json()
+    assert set(body["data"][0]) == {"object", "index", "embedding"}
+    np.testing.assert_allclose(
+        [d["embedding"] for d in body["data"]], [d["embedding"] for d in data[:5]], atol=1e-6
+    )
+
+
+def test_batch_invariance_across_output_kinds(served, ours_and_ref):
+    """A text asking for one output alone gives what it gets in the mixed batch that asks for all three."""
+    _, url, _ = served
+    inputs, data, _ = ours_and_ref
+    for i in (0, 23, len(inputs) - 7):
+        for kind in ("dense", "sparse", "colbert"):
+            r = post(url, {"input": inputs[i], "outputs": [kind]})
+            assert r.status_code == 200, r.text
+            item = r.json()["data"][0]
+            key = {"dense": "embedding"}.get(kind, kind)
+            assert set(item) == {"object", "index", key}
+            if kind == "sparse":
+                assert item["sparse"]["indices"] == data[i]["sparse"]["indices"]
+                np.testing.assert_allclose(item["sparse"]["values"], data[i]["sparse"]["values"], atol=1e-5)
+            else:
+                np.testing.assert_allclose(item[key], data[i][key], atol=1e-5, err_msg=f"{kind} text {i}")
+
+
+def test_token_ids_equal_text(served, ours_and_ref):
+    _, url, _ = served
+    inputs, data, _ = ours_and_ref
+    ids = httpx.post(url + "/tokenize", json={"input": inputs[:4]}).json()["data"]
+    by_ids = all_outputs(url, [d["tokens"] for d in ids])
+    for a, b in zip(by_ids, data[:4]):
+        np.testing.assert_allclose(a["embedding"], b["embedding"], atol=1e-6)
+        assert a["sparse"]["indices"] == b["sparse"]["indices"]
+        np.testing.assert_allclose(a["colbert"], b["colbert"], atol=1e-6)
+
+
+def test_base64_colbert_is_one_string_per_vector(served, ours_and_ref):
+    _, url, _ = served
+    inputs, data, _ = ours_and_ref
+    item = all_outputs(url, inputs[1], encoding_format="base64")[0]
+    rows = [np.frombuffer(base64.b64decode(s), dtype="<f4") for s in item["colbert"]]
+    np.testing.assert_allclose(rows, data[1]["colbert"], atol=1e-6)
+
+
+def test_embed_sparse_alias(served, ours_and_ref):
+    _, url, _ = served
+    inputs, data, _ = ours_and_ref
+    r = post(url, {"inputs": inputs[:3]}, route="/embed_sparse")
+    assert r.status_code == 200, r.text
+    for got, want in zip(r.json(), data[:3]):
+        assert [p["index"] for p in got] == want["sparse"]["indices"]
+        np.testing.assert_allclose([p["value"] for p in got], want["sparse"]["values"], atol=1e-5)
+
+
+def test_a_model_without_the_heads_refuses_them(served):
+    _, url, plain = served
+    assert httpx.get(url + "/info").json()["outputs"] == ["dense", "sparse", "colbert"]
+    assert httpx.get(plain + "/info").json()["outputs"] == ["dense"]
+    for kind, route, body in (
+        ("sparse", "/v1/embeddings", {"input": "x", "outputs": ["dense", "sparse"]}),
+        ("colbert", "/v1/embeddings", {"input": "x", "outputs": ["colbert"]}),
+        ("sparse", "/embed_sparse", {"inputs": "x"}),
+    ):
+        r = post(plain, body, route=route)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "outputs" and kind in err["message"]
+    r = post(url, {"input": "x", "outputs": ["splade"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "outputs"
+    r = post(plain, {"input": "x"})
+    assert r.status_code == 200
+
+
+def test_openai_client_unchanged_with_extra_body(served, ours_and_ref):
+    """The official client: plain dense as ever, and the extension through extra_body / model_extra."""
+    from openai import OpenAI
+
+    _, url, _ = served
+    inputs, data, _ = ours_and_ref
+    client = OpenAI(base_url=url + "/v1", api_key="unused")
+    name = httpx.get(url + "/info").json()["model"]
+    r = client.embeddings.create(model=name, input=inputs[:2])
+    np.testing.assert_allclose([d.embedding for d in r.data], [d["embedding"] for d in data[:2]], atol=1e-6)
+    r = client.embeddings.create(
+        model=name, input=inputs[:2], encoding_format="float", extra_body={"outputs": ["dense", "sparse"]}
+    )
+    for got, want in zip(r.data, data[:2]):
+        assert got.model_extra["sparse"]["indices"] == want["sparse"]["indices"]
+        np.testing.assert_allclose(got.model_extra["sparse"]["values"], want["sparse"]["values"], atol=1e-6)
+
+
+def test_sparse_tokens_name_the_ids(served, ours_and_ref):
+    from transformers import AutoTokenizer
+
+    path, url, _ = served
+    inputs, data, _ = ours_and_ref
+    r = post(url, {"input": inputs[:3], "outputs": ["sparse"], "sparse_tokens": True})
+    assert r.status_code == 200, r.text
+    tok = AutoTokenizer.from_pretrained(str(path))
+    for got, want in zip(r.json()["data"], data[:3]):
+        assert got["sparse"]["indices"] == want["sparse"]["indices"]
+        assert got["sparse"]["tokens"] == tok.convert_ids_to_tokens(want["sparse"]["indices"])
