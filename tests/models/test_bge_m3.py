@@ -280,3 +280,15 @@ def test_sparse_tokens_name_the_ids(served, ours_and_ref):
     for got, want in zip(r.json()["data"], data[:3]):
         assert got["sparse"]["indices"] == want["sparse"]["indices"]
         assert got["sparse"]["tokens"] == tok.convert_ids_to_tokens(want["sparse"]["indices"])
+
+
+def test_chunking_takes_the_dense_output_only(served):
+    """Windows are averaged as dense vectors: a chunked request asking for sparse or ColBERT is a 400,
+    and the server keeps serving."""
+    _, url, _ = served
+    for outputs in (["dense", "sparse"], ["colbert"]):
+        r = post(url, {"input": "x", "outputs": outputs, "chunking": {}})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "chunking"
+    r = post(url, {"input": "x", "outputs": ["dense"], "chunking": {}})
+    assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) > 0
