@@ -364,38 +364,28 @@ class Engine:
         piece = inputs[start : start + k]
         t0 = time.perf_counter()
         with observability.span("tokenize") as span:
-            ids = await self._tokenize_calls(inputs, piece, start, k, rule, prompt)
+            try:
+                if _small(piece, prompt):
+                    # A few short texts tokenize in tens of microseconds: less than the hop to a thread and
+                    # back, which online traffic (one query per request) would pay on every request.
+                    ids = self._token_ids(piece, rule, prompt, start)
+                else:
+                    loop = asyncio.get_running_loop()
+                    ids, done = [], 0
+                    while done < k:
+                        at = start + done
+                        step = _chunk(inputs, at, k - done, prompt, self.settings.max_input_chars)
+                        ids += await loop.run_in_executor(
+                            self._tokenize_pool, self._token_ids, inputs[at : at + step], rule, prompt, at
+                        )
+                        done += step
+            except (InputTooLongError, InvalidTokenError, InputCharsError) as exc:
+                raise InvalidInputError(str(exc)) from None
+            except PromptError as exc:
+                raise InvalidInputError(str(exc), param=exc.param) from None
             if span is not None:
                 span.set_attributes({"embed.inputs": len(ids), "embed.tokens": sum(map(len, ids))})
         metrics.TOKENIZATION_DURATION.labels(self.name).observe(time.perf_counter() - t0)
-        return ids
-
-    async def _tokenize_calls(
-        self, inputs: Inputs, piece: Inputs, start: int, k: int, rule: Truncation, prompt: str | None
-    ) -> list[list[int]]:
-        try:
-            if _small(piece, prompt):
-                # A few short texts tokenize in tens of microseconds: less than the hop to a thread and
-                # back, which online traffic (one query per request) would pay on every request.
-                ids = self._token_ids(piece, rule, prompt, start)
-            else:
-                loop = asyncio.get_running_loop()
-                ids, done = [], 0
-                while done < k:
-                    step = _chunk(inputs, start + done, k - done, prompt, self.settings.max_input_chars)
-                    ids += await loop.run_in_executor(
-                        self._tokenize_pool,
-                        self._token_ids,
-                        inputs[start + done : start + done + step],
-                        rule,
-                        prompt,
-                        start + done,
-                    )
-                    done += step
-        except (InputTooLongError, InvalidTokenError, InputCharsError) as exc:
-            raise InvalidInputError(str(exc)) from None
-        except PromptError as exc:
-            raise InvalidInputError(str(exc), param=exc.param) from None
         return ids
 
     async def tokenize(self, inputs: Inputs, opts: EmbedOptions | None = None) -> list[list[int]]:
