@@ -98,6 +98,7 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
     from embed_service.ops.batch import FlatBatch
     from embed_service.outputs import OutputRequest
     from embed_service.parallel import set_tensor_parallel
+    from embed_service.workers import null_model
     from embed_service.workers.device import DTYPES
 
     torch.set_num_threads(cfg.num_threads)
@@ -124,7 +125,10 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
         f"loading weights from {spec.path} ({cfg.dtype}, {cfg.device}, {cfg.world_size} rank(s), "
         f"{cfg.num_threads} thread(s) each)"
     )
-    model = Embedder(spec, DTYPES[cfg.dtype], device).eval()
+    if null_model.wanted():  # benchmarks only: no weights, constant outputs (workers/null_model.py)
+        model: Any = null_model.NullModel(spec.dimension)
+    else:
+        model = Embedder(spec, DTYPES[cfg.dtype], device).eval()
     say(f"weights loaded in {time.perf_counter() - t0:.1f}s; warming up")
 
     def run(ids, lengths, requests):
