@@ -12,7 +12,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from embed_service import __version__, metrics
+from embed_service import __version__
 from embed_service.api import cohere, docs, openapi
 from embed_service.api.access_log import AccessLogMiddleware, telemetry_config
 from embed_service.api.auth import ApiKeys, load_api_keys
@@ -118,37 +118,6 @@ def create_app(settings: Settings, engines: list[Engine]) -> FastAPI:
     if settings.docs:
         app.include_router(docs.router)
     openapi.install(app, [router, cohere.router], check_api_key, bool(state.api_keys))
-    app.add_middleware(MetricsMiddleware, default_model=engines[0].name)
-    app.add_middleware(AccessLogMiddleware)  # added last: outermost
+    app.add_middleware(AccessLogMiddleware, default_model=engines[0].name)  # the metrics too: one layer
     return app
 
-
-class MetricsMiddleware:
-    """Counts every response by status and times the API routes (pure ASGI: no body buffering)."""
-
-    timed = {"/v1/embeddings", "/embeddings", "/tokenize", "/v2/embed", "/v1/embed"}
-
-    def __init__(self, app: Any, default_model: str):
-        self.app = app
-        self.default_model = default_model
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        start = time.perf_counter()
-        status = 500
-
-        async def send_wrapper(message: dict) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_wrapper)
-        finally:
-            model = scope.get("state", {}).get("model", self.default_model)
-            metrics.REQUESTS.labels(model, str(status)).inc()
-            if scope["path"] in self.timed:
-                metrics.REQUEST_DURATION.labels(model).observe(time.perf_counter() - start)
