@@ -1,6 +1,7 @@
 """The body of one worker process: build this rank's shard of the model, warm up, then run batches.
 
-Messages in: ("run", ids (T,) int32, lengths (B,) int32, requests: B OutputRequests) or ("stop",). Messages
+Messages in: ("run", ids (T,) int32, lengths (B,) int32, requests: B OutputRequests, which carry each
+sequence's token types too) or ("stop",). Messages
 out: ("log", text) and ("ready", info) while starting; then, from rank 0 only, ("ok", B SequenceOutputs, in
 batch order, each with the kinds its sequence asked for) or ("error", text) per batch (outputs.py). A parent that goes away closes the pipe, and the worker exits.
 
@@ -128,7 +129,8 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
     say(f"weights loaded in {time.perf_counter() - t0:.1f}s; warming up")
 
     def run(ids, lengths, requests):
-        batch = FlatBatch.from_lengths(torch.from_numpy(ids), lengths.tolist()).to(device)
+        segments = [r.second_segment for r in requests]  # token types travel with the requests
+        batch = FlatBatch.from_lengths(torch.from_numpy(ids), lengths.tolist(), segments).to(device)
         return model(batch, requests)
 
     import numpy as np
