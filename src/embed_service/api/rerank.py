@@ -66,9 +66,9 @@ class RerankRequest(BaseModel):
     priority: StrictInt | None = None
     """Accepted and ignored."""
 
-    @field_validator("top_n", mode="before")
+    @field_validator("top_n", "max_tokens_per_doc", mode="before")
     @classmethod
-    def _top_n(cls, v: Any) -> Any:
+    def _positive(cls, v: Any) -> Any:
         if isinstance(v, int) and not isinstance(v, bool) and v < 1:
             raise ValueError("must be at least 1")
         return v
