@@ -168,6 +168,7 @@ def test_thousands_of_documents_are_admitted_and_batched(server):
         ({"query": QUERY, "documents": [{"title": "no text"}]}, "documents"),
         ({"query": QUERY, "documents": [3]}, "documents"),
         ({"query": QUERY, "documents": ["a"], "max_tokens_per_doc": 0}, "max_tokens_per_doc"),
+        ({"query": QUERY, "documents": ["a"], "instruction": "rank"}, "instruction"),
         ({"query": QUERY, "documents": ["a"], "model": "no-such-model"}, None),
     ],
 )

@@ -78,6 +78,20 @@ CASES = [
     ),
 ]
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+# Qwen3-Reranker's shape in miniature: the LM head apart from the embedding table (as in the 4B and 8B).
+QWEN3 = T.Qwen3Config(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=24,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    vocab_size=49152,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    rope_theta=50000.0,
+    tie_word_embeddings=False,
+)
 
 
 @dataclass
@@ -113,6 +127,13 @@ def served(tmp_path_factory, tokenizer_sources) -> Iterator[dict[str, Served]]:
     )
     common = ("--dtype", "float32", "--data-parallel-size", "1")
     servers = {name: ServerProcess("--model", str(p), *common) for name, p in paths.items()}
+
+    paths["qwen3-reranker"] = build(
+        "Qwen3ForCausalLM", QWEN3, "bpe", root / "qwen3-reranker", tokenizer_sources, cross_encoder=False
+    )
+    servers["qwen3-reranker"] = ServerProcess(
+        "--model", str(paths["qwen3-reranker"]), *common, "--llm-reranker"
+    )
     servers["bert-tp2"] = ServerProcess(
         "--model", str(paths["bert"]), "--dtype", "float32", "--tensor-parallel-size", "2"
     )
@@ -240,3 +261,59 @@ def test_a_classifier_with_several_labels_does_not_rerank(served):
     )
     assert r.status_code == 400
     assert "3 labels" in r.json()["error"]["message"]
+
+
+def qwen3_reranker_reference(path: Path, query: str, documents: list[str], instruction: str) -> np.ndarray:
+    """Qwen3-Reranker's model-card code: prefix + the formatted pair (truncated) + suffix, left-padded
+    batches, the `yes` against `no` logits at the last position."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path), padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    prefix = (
+        "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
+        'Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
+    )
+    suffix = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    prefix_tokens = tok.encode(prefix, add_special_tokens=False)
+    suffix_tokens = tok.encode(suffix, add_special_tokens=False)
+    yes, no = tok.convert_tokens_to_ids("yes"), tok.convert_tokens_to_ids("no")
+    max_length = 256
+    pairs = [f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {d}" for d in documents]
+    out = []
+    for start in range(0, len(pairs), 8):
+        inputs = tok(
+            pairs[start : start + 8],
+            padding=False,
+            truncation="longest_first",
+            return_attention_mask=False,
+            add_special_tokens=False,
+            max_length=max_length - len(prefix_tokens) - len(suffix_tokens),
+        )
+        for i, ele in enumerate(inputs["input_ids"]):
+            inputs["input_ids"][i] = prefix_tokens + ele + suffix_tokens
+        inputs = tok.pad(inputs, padding=True, return_tensors="pt")
+        with torch.inference_mode():
+            logits = model(**inputs).logits[:, -1, :]
+        scores = torch.stack([logits[:, no], logits[:, yes]], dim=1)
+        out.append(torch.nn.functional.log_softmax(scores, dim=1)[:, 1].exp().numpy())
+    return np.concatenate(out).astype(np.float32)
+
+
+def test_llm_reranker_equals_the_causal_lm_on_its_prompt(served):
+    path, server = served["qwen3-reranker"].path, served["qwen3-reranker"].server
+    default = "Given a web search query, retrieve relevant passages that answer the query"
+    for query, instruction in ((QUERIES[0], None), (QUERIES[-1], "Find the passage about the topic")):
+        extra = {"instruction": instruction} if instruction else {}
+        body = rerank(server, query, DOCUMENTS, **extra)
+        ours = scores_by_index(body, len(DOCUMENTS))
+        reference = qwen3_reranker_reference(path, query, DOCUMENTS, instruction or default)
+        np.testing.assert_allclose(ours, reference, rtol=0, atol=TOLERANCE)
+        assert_same_order([r["index"] for r in body["results"]], reference)
+    info = httpx.get(server.url + "/info", timeout=10).json()
+    # The yes/no head: two rows of the LM head, not its 49,152.
+    hidden = QWEN3.hidden_size
+    embedding_and_layers = info["parameter_bytes_per_rank"][0] - 2 * hidden * 4
+    assert embedding_and_layers < 2 * QWEN3.vocab_size * hidden * 4  # no second V x H table
+    r = httpx.post(server.url + "/classify", json={"input": ["a"]}, timeout=30)
+    assert r.status_code == 400

@@ -65,6 +65,8 @@ class RerankRequest(BaseModel):
     """Accepted and ignored (Cohere v1)."""
     priority: StrictInt | None = None
     """Accepted and ignored."""
+    instruction: StrictStr | None = None
+    """An LLM reranker's task instruction (default: --rerank-instruction); a cross-encoder refuses it."""
 
     @field_validator("top_n", "max_tokens_per_doc", mode="before")
     @classmethod
@@ -141,7 +143,7 @@ async def rerank(request: Request, version: str) -> Response:
     if body.top_n is not None and body.top_n > len(texts):
         raise invalid_request(f"top_n is {body.top_n}, more than the {len(texts)} documents", "top_n")
     result = await until_disconnect(
-        request, engine.rerank(body.query, texts, body.truncate, body.max_tokens_per_doc)
+        request, engine.rerank(body.query, texts, body.truncate, body.max_tokens_per_doc, body.instruction)
     )
     note(request, tokens=result.tokens)
     scores = result.scores[:, 0]

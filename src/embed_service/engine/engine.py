@@ -25,7 +25,13 @@ from embed_service.engine import chunking
 from embed_service.engine.admission import Admission, Limits, Permit, check_request, run_piecewise
 from embed_service.engine.errors import InvalidInputError, NotReadyError
 from embed_service.engine.replicas import Replicas
-from embed_service.engine.scoring import PairTokenizer, ScoreResult, activate, check_pairs
+from embed_service.engine.scoring import (
+    PairTokenizer,
+    PromptTokenizer,
+    ScoreResult,
+    activate,
+    check_pairs,
+)
 from embed_service.engine.tokenizer import (
     InputCharsError,
     InputTooLongError,
@@ -172,6 +178,7 @@ class Engine:
             self.num_threads,
             tp,
             free_port() if tp > 1 else 0,
+            llm_reranker=settings.llm_reranker,
         )
         # loading -> ready <-> restarting (no replica up) -> draining | failed
         self.state = "loading"
@@ -584,9 +591,12 @@ class Engine:
     # --- scoring models: rerank and classify (engine/scoring.py) ----------------------------------------
 
     @functools.cached_property
-    def _pairs(self) -> PairTokenizer:
+    def _pairs(self) -> PairTokenizer | PromptTokenizer:
+        backend = self.tokenizer.backend.to_str()
+        if self.spec.score is not None and self.spec.score.head == "yes_no":
+            return PromptTokenizer(backend, self.spec.max_input_length, self.settings.rerank_instruction)
         types = int(self.spec.config.get("type_vocab_size", 0)) > 1  # RoBERTa's table has one row
-        return PairTokenizer(self.tokenizer.backend.to_str(), self.spec.max_input_length, types)
+        return PairTokenizer(backend, self.spec.max_input_length, types)
 
     def _score_spec(self, route: str) -> ScoreSpec:
         if self.spec.score is None:
@@ -598,7 +608,12 @@ class Engine:
         return self.spec.score
 
     async def rerank(
-        self, query: str, documents: list[str], truncate: bool = True, doc_tokens: int | None = None
+        self,
+        query: str,
+        documents: list[str],
+        truncate: bool = True,
+        doc_tokens: int | None = None,
+        instruction: str | None = None,
     ) -> ScoreResult:
         """One relevance score per (query, document), as CrossEncoder.predict gives it; (n, 1) scores."""
         self._check_ready()
@@ -611,10 +626,18 @@ class Engine:
             )
         if not query:
             raise InvalidInputError("query must not be empty", param="query")
-        check_pairs(query, documents, self.limits)
+        pairs = self._pairs
+        if instruction is not None and not isinstance(pairs, PromptTokenizer):
+            raise InvalidInputError(
+                "instruction applies to LLM rerankers (--llm-reranker); a cross-encoder scores the pair as it is",
+                param="instruction",
+            )
+        check_pairs(query + (instruction or ""), documents, self.limits)
 
         def encode(piece: list[str], first: int) -> list[tuple[list[int], int]]:
-            return self._pairs.encode(query, piece, truncate, doc_tokens, first)
+            if isinstance(pairs, PromptTokenizer):
+                return pairs.encode(query, piece, truncate, doc_tokens, first, instruction)
+            return pairs.encode(query, piece, truncate, doc_tokens, first)
 
         logits, tokens = await self._score(documents, query, encode)
         return ScoreResult(activate(logits, score.rerank_activation), tokens)
@@ -624,6 +647,8 @@ class Engine:
         opts = opts or EmbedOptions()
         self._check_ready()
         score = self._score_spec("classify")
+        if score.head == "yes_no":
+            raise InvalidInputError(f"model {self.name} is an LLM reranker: it reranks, it does not classify")
         rule = self.truncation(opts)
         check_request(inputs, None, self.limits)
 

@@ -102,6 +102,67 @@ class PairTokenizer:
         return out
 
 
+# Qwen3-Reranker's documented prompt (its model card): a system turn, the user turn with the instruction,
+# query and document, and an assistant turn opened with an empty think block; the answer's first token is
+# scored, `yes` against `no`.
+QWEN3_PREFIX = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
+    'Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
+)
+QWEN3_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+QWEN3_BODY = "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
+
+
+class PromptTokenizer:
+    """An LLM reranker's pairs as its model card builds them: the prefix's tokens, the body's (instruction,
+    query and document in one text, cut from the right so that the whole fits the max input length), the
+    suffix's. Same `encode` as PairTokenizer; no token types."""
+
+    def __init__(self, backend_json: str, max_length: int, instruction: str):
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_str(backend_json)
+        self.tok.no_truncation()
+        self.tok.no_padding()
+        self.prefix = self.tok.encode(QWEN3_PREFIX, add_special_tokens=False).ids
+        self.suffix = self.tok.encode(QWEN3_SUFFIX, add_special_tokens=False).ids
+        self.max_length = max_length
+        self.body_tokens = max_length - len(self.prefix) - len(self.suffix)
+        if self.body_tokens < 1:
+            raise ValueError(f"the reranker's prompt template alone passes the max input length {max_length}")
+        self.instruction = instruction
+
+    def encode(
+        self,
+        query: str,
+        documents: list[str],
+        truncate: bool,
+        doc_tokens: int | None = None,
+        first: int = 0,
+        instruction: str | None = None,
+    ) -> list[tuple[list[int], int]]:
+        if doc_tokens is not None:  # the document's first tokens, as text, before it joins the body
+            cut = []
+            for d, enc in zip(documents, self.tok.encode_batch(documents, add_special_tokens=False)):
+                cut.append(d[: enc.offsets[doc_tokens - 1][1]] if len(enc.ids) > doc_tokens else d)
+            documents = cut
+        bodies = [
+            QWEN3_BODY.format(instruction=instruction or self.instruction, query=query, document=d)
+            for d in documents
+        ]
+        out = []
+        for i, enc in enumerate(self.tok.encode_batch(bodies, add_special_tokens=False)):
+            ids = enc.ids
+            if len(ids) > self.body_tokens:
+                if not truncate:
+                    raise InputTooLongError(
+                        first + i, len(ids) + len(self.prefix) + len(self.suffix), self.max_length
+                    )
+                ids = ids[: self.body_tokens]
+            out.append((self.prefix + ids + self.suffix, 0))
+        return out
+
+
 def _sigmoid(x: np.ndarray) -> np.ndarray:
     return (1.0 / (1.0 + np.exp(-x.astype(np.float64)))).astype(np.float32)
 

@@ -208,7 +208,7 @@ def _st_modules(path: Path) -> list[dict[str, Any]]:
     return _read_json(modules) if modules.is_file() else []
 
 
-def load_spec(path: str | Path, max_input_length: int | None = None) -> ModelSpec:
+def load_spec(path: str | Path, max_input_length: int | None = None, llm_reranker: bool = False) -> ModelSpec:
     path = Path(path).resolve()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
@@ -253,7 +253,9 @@ def load_spec(path: str | Path, max_input_length: int | None = None) -> ModelSpe
         # bge-m3's layout: the heads beside the transformer's weights (FlagEmbedding loads them by name).
         sparse_head=path / "sparse_linear.pt" if (path / "sparse_linear.pt").is_file() else None,
         colbert_head=path / "colbert_linear.pt" if (path / "colbert_linear.pt").is_file() else None,
-        score=_score_spec(path, config, architecture, family),
+        score=_llm_reranker(path, family)
+        if llm_reranker
+        else _score_spec(path, config, architecture, family),
     )
     spec.max_input_length = max_input_length or default_max_length(path, position_limit)
     if spec.max_input_length > position_limit:
@@ -295,6 +297,26 @@ def _score_spec(path: Path, config: dict[str, Any], architecture: str, family: F
     else:
         classify = "softmax"
     return ScoreSpec(SCORING_HEADS[family.cls], labels, rerank, classify)
+
+
+def _vocab_id(path: Path, token: str) -> int:
+    """A token's id from tokenizer.json (its added tokens, then the model's vocabulary)."""
+    tok = _read_json(path / "tokenizer.json") if (path / "tokenizer.json").is_file() else {}
+    for added in tok.get("added_tokens") or []:
+        if added.get("content") == token:
+            return int(added["id"])
+    vocab = (tok.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict) and token in vocab:
+        return int(vocab[token])
+    raise ValueError(f"{path / 'tokenizer.json'}: no {token!r} token, which an LLM reranker scores")
+
+
+def _llm_reranker(path: Path, family: Family) -> ScoreSpec:
+    """Qwen3-Reranker style (--llm-reranker): a causal LM's `no` and `yes` logits at the last token."""
+    if not family.causal:
+        raise ValueError(f"--llm-reranker needs a causal LM (*ForCausalLM); {family.cls} is an encoder")
+    ids = (_vocab_id(path, "no"), _vocab_id(path, "yes"))
+    return ScoreSpec("yes_no", ("yes",), "yes_no", "yes_no", yes_no_ids=ids)
 
 
 def _pooling_mode(mpath: Path) -> str:

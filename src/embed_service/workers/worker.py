@@ -35,6 +35,7 @@ class WorkerConfig:
     num_threads: int
     world_size: int
     dist_port: int
+    llm_reranker: bool = False  # Settings.llm_reranker: the spec is read with it
 
 
 def die_with_parent() -> None:
@@ -114,7 +115,7 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
             timeout=timedelta(seconds=60),
         )
     set_tensor_parallel(rank, cfg.world_size)
-    spec = load_spec(cfg.model_path, cfg.max_input_length)
+    spec = load_spec(cfg.model_path, cfg.max_input_length, cfg.llm_reranker)
 
     def say(text: str) -> None:
         if rank == 0:
