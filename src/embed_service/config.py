@@ -73,6 +73,14 @@ class Settings(BaseSettings):
     auto_truncate: bool = True
     """Cut inputs longer than the max input length (keeping special tokens); when off they get a 400."""
 
+    llm_reranker: bool = False
+    """Serve a causal LM (a *ForCausalLM folder, Qwen3-Reranker style) as a reranker: each (query, document)
+    is scored by the ``yes`` and ``no`` logits at the last token of Qwen3-Reranker's prompt template
+    (docs/models.md). Only /rerank then; off: the folder is served as an embedding model."""
+
+    rerank_instruction: str = "Given a web search query, retrieve relevant passages that answer the query"
+    """The instruction an LLM reranker's prompt gives when a request names none (``instruction``)."""
+
     chunk_long_inputs: bool = False
     """Embed a text longer than the max input length as windows whose vectors are averaged, weighted by
     their tokens, instead of truncating it (docs/api.md, long inputs). A request can override it with

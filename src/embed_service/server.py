@@ -81,7 +81,7 @@ def build_engine(settings: Settings) -> Engine:
         path = default_model_path()
         names = settings.served_model_name or [DEFAULT_MODEL_NAME]
     try:
-        spec = load_spec(path, settings.max_input_length)
+        spec = load_spec(path, settings.max_input_length, settings.llm_reranker)
         check_model_files(spec)
         return Engine(settings, spec, names)
     except (ValueError, OSError) as exc:

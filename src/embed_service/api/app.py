@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from embed_service import __version__
-from embed_service.api import cohere, docs, openapi
+from embed_service.api import cohere, docs, openapi, rerank
 from embed_service.api.access_log import AccessLogMiddleware, telemetry_config
 from embed_service.api.auth import ApiKeys, load_api_keys
 from embed_service.api.errors import install_handlers
@@ -115,9 +115,15 @@ def create_app(settings: Settings, engines: list[Engine]) -> FastAPI:
     install_handlers(app)
     app.include_router(router)
     app.include_router(cohere.router)
+    app.include_router(rerank.router)
     if settings.docs:
         app.include_router(docs.router)
-    openapi.install(app, [router, cohere.router], check_api_key, bool(state.api_keys))
+    openapi.install(
+        app,
+        [router, cohere.router, rerank.router],
+        check_api_key,
+        bool(state.api_keys),
+        rerank.REQUEST_MODELS,
+    )
     app.add_middleware(AccessLogMiddleware, default_model=engines[0].name)  # the metrics too: one layer
     return app
-

@@ -25,6 +25,13 @@ from embed_service.engine import chunking
 from embed_service.engine.admission import Admission, Limits, Permit, check_request, run_piecewise
 from embed_service.engine.errors import InvalidInputError, NotReadyError
 from embed_service.engine.replicas import Replicas
+from embed_service.engine.scoring import (
+    PairTokenizer,
+    PromptTokenizer,
+    ScoreResult,
+    activate,
+    check_pairs,
+)
 from embed_service.engine.tokenizer import (
     InputCharsError,
     InputTooLongError,
@@ -33,12 +40,13 @@ from embed_service.engine.tokenizer import (
     Tokenizer,
     Truncation,
 )
-from embed_service.models.spec import ModelSpec
+from embed_service.models.spec import ModelSpec, ScoreSpec
 from embed_service.outputs import (
     COLBERT,
     DENSE,
     DENSE_ONLY,
     KINDS,
+    SCORE,
     SPARSE,
     OutputRequest,
     SequenceOutput,
@@ -170,6 +178,7 @@ class Engine:
             self.num_threads,
             tp,
             free_port() if tp > 1 else 0,
+            llm_reranker=settings.llm_reranker,
         )
         # loading -> ready <-> restarting (no replica up) -> draining | failed
         self.state = "loading"
@@ -299,6 +308,12 @@ class Engine:
 
     def output_request(self, kinds: frozenset[str] | None) -> OutputRequest:
         """What each input of a request asks the workers for; a kind this model cannot give is a 400."""
+        if kinds is None and DENSE not in self.spec.outputs:
+            raise InvalidInputError(
+                f"model {self.name} is a cross-encoder or classifier: it scores (/rerank, /classify) and does "
+                "not embed; see docs/models.md",
+                param="model",
+            )
         if kinds is None:
             return DENSE_ONLY
         if not kinds:
@@ -567,6 +582,127 @@ class Engine:
                 ]
             metrics.INPUT_TOKENS.labels(self.name).inc(tokens)
             return EmbedResult(vectors, tokens, chunks)
+        except BaseException:
+            state.cancelled = True
+            raise
+        finally:
+            permit.close()
+
+    # --- scoring models: rerank and classify (engine/scoring.py) ----------------------------------------
+
+    @functools.cached_property
+    def _pairs(self) -> PairTokenizer | PromptTokenizer:
+        backend = self.tokenizer.backend.to_str()
+        if self.spec.score is not None and self.spec.score.head == "yes_no":
+            return PromptTokenizer(backend, self.spec.max_input_length, self.settings.rerank_instruction)
+        types = int(self.spec.config.get("type_vocab_size", 0)) > 1  # RoBERTa's table has one row
+        return PairTokenizer(backend, self.spec.max_input_length, types)
+
+    def _score_spec(self, route: str) -> ScoreSpec:
+        if self.spec.score is None:
+            raise InvalidInputError(
+                f"model {self.name} is an embedding model: it does not {route} (serve a cross-encoder or a "
+                "sequence classifier; see docs/models.md)",
+                param="model",
+            )
+        return self.spec.score
+
+    async def rerank(
+        self,
+        query: str,
+        documents: list[str],
+        truncate: bool = True,
+        doc_tokens: int | None = None,
+        instruction: str | None = None,
+    ) -> ScoreResult:
+        """One relevance score per (query, document), as CrossEncoder.predict gives it; (n, 1) scores."""
+        self._check_ready()
+        score = self._score_spec("rerank")
+        if len(score.labels) != 1:
+            raise InvalidInputError(
+                f"model {self.name} has {len(score.labels)} labels; reranking needs one score per pair "
+                "(use /classify)",
+                param="model",
+            )
+        if not query:
+            raise InvalidInputError("query must not be empty", param="query")
+        pairs = self._pairs
+        if instruction is not None and not isinstance(pairs, PromptTokenizer):
+            raise InvalidInputError(
+                "instruction applies to LLM rerankers (--llm-reranker); a cross-encoder scores the pair as it is",
+                param="instruction",
+            )
+        check_pairs(query + (instruction or ""), documents, self.limits)
+
+        def encode(piece: list[str], first: int) -> list[tuple[list[int], int]]:
+            if isinstance(pairs, PromptTokenizer):
+                return pairs.encode(query, piece, truncate, doc_tokens, first, instruction)
+            return pairs.encode(query, piece, truncate, doc_tokens, first)
+
+        logits, tokens = await self._score(documents, query, encode)
+        return ScoreResult(activate(logits, score.rerank_activation), tokens)
+
+    async def classify(self, inputs: list[str], opts: EmbedOptions | None = None) -> ScoreResult:
+        """Label probabilities per text, as the transformers text-classification pipeline gives them."""
+        opts = opts or EmbedOptions()
+        self._check_ready()
+        score = self._score_spec("classify")
+        if score.head == "yes_no":
+            raise InvalidInputError(f"model {self.name} is an LLM reranker: it reranks, it does not classify")
+        rule = self.truncation(opts)
+        check_request(inputs, None, self.limits)
+
+        def encode(piece: list[str], first: int) -> list[tuple[list[int], int]]:
+            return [(ids, 0) for ids in self._token_ids(piece, rule, None, first)]
+
+        logits, tokens = await self._score(inputs, None, encode)
+        return ScoreResult(activate(logits, score.classify_activation), tokens)
+
+    async def _score(self, texts: list[str], query: str | None, encode: Any) -> tuple[np.ndarray, int]:
+        """Admit, tokenize (`encode(piece, first)` on a tokenization thread), batch and run scoring
+        sequences; their (n, labels) logits and token count. A request of thousands of documents is
+        admitted piecewise and batched by tokens, like any other work."""
+        permit = self.admission.admit(len(texts))
+        state = RequestState()
+        loop = asyncio.get_running_loop()
+        tokens = 0
+        submitted: list[Sequence] = []
+        kinds = frozenset({SCORE})
+
+        async def start(first: int, k: int) -> list[asyncio.Future]:
+            nonlocal tokens
+            t0 = time.perf_counter()
+            encoded: list[tuple[list[int], int]] = []
+            with observability.span("tokenize"):
+                try:
+                    while len(encoded) < k:
+                        at = first + len(encoded)
+                        step = _chunk(texts, at, k - len(encoded), query, self.settings.max_input_chars)
+                        encoded += await loop.run_in_executor(
+                            self._tokenize_pool, encode, texts[at : at + step], at
+                        )
+                except (InputTooLongError, InvalidTokenError, InputCharsError) as exc:
+                    raise InvalidInputError(str(exc)) from None
+            metrics.TOKENIZATION_DURATION.labels(self.name).observe(time.perf_counter() - t0)
+            if self.state == "failed":
+                self._check_ready()
+            assert self.batcher is not None
+            seqs = [
+                Sequence(ids, loop.create_future(), state, OutputRequest(kinds, second))
+                for ids, second in encoded
+            ]
+            submitted.extend(seqs)
+            tokens += sum(len(ids) for ids, _ in encoded)
+            self.batcher.submit(
+                seqs, priority=permit.interactive and tokens <= self.settings.priority_max_tokens
+            )
+            return [s.future for s in seqs]
+
+        try:
+            results = await run_piecewise(permit, len(texts), start)
+            observability.trace_batches(submitted)
+            metrics.INPUT_TOKENS.labels(self.name).inc(tokens)
+            return np.stack([r.score for r in results]), tokens
         except BaseException:
             state.cancelled = True
             raise

@@ -81,7 +81,15 @@ ARCHITECTURES: dict[str, Family] = {
     "Qwen2ForCausalLM": _QWEN2,
     "Qwen3Model": _QWEN3,
     "Qwen3ForCausalLM": _QWEN3,
+    # Cross-encoders and sequence classifiers: the same backbones, and a scoring head (models/scoring.py).
+    "BertForSequenceClassification": _BERT,
+    "RobertaForSequenceClassification": _ROBERTA,
+    "XLMRobertaForSequenceClassification": _ROBERTA,
+    "ModernBertForSequenceClassification": _MODERNBERT,
 }
+
+# The scoring head of each family's *ForSequenceClassification checkpoints (models/scoring.py SCORERS).
+SCORING_HEADS = {"BertModel": "bert", "RobertaModel": "roberta", "ModernBertModel": "modernbert"}
 
 # For configs without an `architectures` list.
 MODEL_TYPES: dict[str, Family] = {

@@ -1,6 +1,7 @@
 """The body of one worker process: build this rank's shard of the model, warm up, then run batches.
 
-Messages in: ("run", ids (T,) int32, lengths (B,) int32, requests: B OutputRequests) or ("stop",). Messages
+Messages in: ("run", ids (T,) int32, lengths (B,) int32, requests: B OutputRequests, which carry each
+sequence's token types too) or ("stop",). Messages
 out: ("log", text) and ("ready", info) while starting; then, from rank 0 only, ("ok", B SequenceOutputs, in
 batch order, each with the kinds its sequence asked for) or ("error", text) per batch (outputs.py). A parent that goes away closes the pipe, and the worker exits.
 
@@ -34,6 +35,7 @@ class WorkerConfig:
     num_threads: int
     world_size: int
     dist_port: int
+    llm_reranker: bool = False  # Settings.llm_reranker: the spec is read with it
 
 
 def die_with_parent() -> None:
@@ -114,7 +116,7 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
             timeout=timedelta(seconds=60),
         )
     set_tensor_parallel(rank, cfg.world_size)
-    spec = load_spec(cfg.model_path, cfg.max_input_length)
+    spec = load_spec(cfg.model_path, cfg.max_input_length, cfg.llm_reranker)
 
     def say(text: str) -> None:
         if rank == 0:
@@ -132,7 +134,8 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
     say(f"weights loaded in {time.perf_counter() - t0:.1f}s; warming up")
 
     def run(ids, lengths, requests):
-        batch = FlatBatch.from_lengths(torch.from_numpy(ids), lengths.tolist()).to(device)
+        segments = [r.second_segment for r in requests]  # token types travel with the requests
+        batch = FlatBatch.from_lengths(torch.from_numpy(ids), lengths.tolist(), segments).to(device)
         return model(batch, requests)
 
     import numpy as np
