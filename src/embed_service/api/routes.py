@@ -182,7 +182,10 @@ async def embeddings(request: Request, _: Authorized) -> Response:
         body.dimensions,
         body.prompt_name,
         body.prompt,
-        outputs=frozenset(body.outputs) if body.outputs else None,
+        # No outputs named: the model's default (dense; sparse for a SPLADE model).
+        outputs=frozenset(body.outputs) if body.outputs else engine.spec.default_outputs,
+        max_active_dims=body.max_active_dims,
+        sparse_threshold=body.sparse_threshold,
     )
     dimension = body.dimensions or engine.spec.dimension  # checked before any work is paid for
     ranges = encodings.check_ranges(body.embed_dtype, body.embed_ranges, dimension)
@@ -193,7 +196,7 @@ async def embeddings(request: Request, _: Authorized) -> Response:
     note(request, tokens=result.prompt_tokens)
     b64 = body.encoding_format == "base64"
     data: list[dict[str, Any]] = [{"object": "embedding", "index": i} for i in range(len(body.input))]
-    if body.outputs is None or "dense" in body.outputs:
+    if opts.outputs is not None and "dense" in opts.outputs:
         # base64 strings, or arrays orjson writes straight as numbers: no per-value Python objects.
         rows = encodings.rows(result.embeddings, body.embed_dtype, body.encoding_format, ranges)
         for item, row in zip(data, rows):
@@ -234,6 +237,8 @@ async def embed_sparse(request: Request, _: Authorized) -> Response:
         prompt_name=body.prompt_name,
         prompt=body.prompt,
         outputs=frozenset({"sparse"}),
+        max_active_dims=body.max_active_dims,
+        sparse_threshold=body.sparse_threshold,
     )
     result = await until_disconnect(request, engine.embed(body.inputs, opts))
     note(request, tokens=result.prompt_tokens)

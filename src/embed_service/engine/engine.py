@@ -81,6 +81,10 @@ class EmbedOptions:
     chunking: chunking.ChunkOptions | None = None  # long inputs (engine/chunking.py)
     outputs: frozenset[str] | None = None
     """The output kinds (outputs.KINDS) each input asks for; None: dense only."""
+    max_active_dims: int | None = None
+    """Sparse output: keep the largest N weights (sentence-transformers' max_active_dims); None: all."""
+    sparse_threshold: float | None = None
+    """Sparse output: drop the weights below it; None: keep every weight > 0."""
 
 
 @dataclass
@@ -308,14 +312,15 @@ class Engine:
 
     def output_request(self, kinds: frozenset[str] | None) -> OutputRequest:
         """What each input of a request asks the workers for; a kind this model cannot give is a 400."""
-        if kinds is None and DENSE not in self.spec.outputs:
+        if kinds is None and SCORE in self.spec.outputs:
             raise InvalidInputError(
                 f"model {self.name} is a cross-encoder or classifier: it scores (/rerank, /classify) and does "
                 "not embed; see docs/models.md",
                 param="model",
             )
-        if kinds is None:
+        if kinds is None and DENSE in self.spec.outputs:
             return DENSE_ONLY
+        kinds = frozenset({DENSE}) if kinds is None else kinds
         if not kinds:
             raise InvalidInputError("outputs must name at least one output kind", param="outputs")
         missing = sorted(kinds - self.spec.outputs)
@@ -327,9 +332,34 @@ class Engine:
             )
         return OutputRequest(frozenset(kinds))
 
-    def _sparse(self, s: Sparse) -> Sparse:
-        keep = ~np.isin(s.indices, self.tokenizer.lexical_skip_ids)
-        return Sparse(s.indices[keep], s.values[keep])
+    def _sparse(self, s: Sparse, opts: EmbedOptions) -> Sparse:
+        """bge-m3's lexical weights without the special tokens (a SPLADE vector keeps every vocabulary
+        entry, as sentence-transformers does); then the request's threshold and top-k."""
+        if self.spec.splade is None:
+            keep = ~np.isin(s.indices, self.tokenizer.lexical_skip_ids)
+            s = Sparse(s.indices[keep], s.values[keep])
+        if opts.sparse_threshold is not None:
+            keep = s.values >= opts.sparse_threshold
+            s = Sparse(s.indices[keep], s.values[keep])
+        if opts.max_active_dims is not None and s.values.size > opts.max_active_dims:
+            top = np.sort(np.argpartition(-s.values, opts.max_active_dims - 1)[: opts.max_active_dims])
+            s = Sparse(s.indices[top], s.values[top])  # ascending ids still
+        return s
+
+    def _check_sparse_options(self, opts: EmbedOptions, output: OutputRequest) -> None:
+        """max_active_dims >= 1 and a finite sparse_threshold >= 0, with a sparse output only."""
+        for name in ("max_active_dims", "sparse_threshold"):
+            if getattr(opts, name) is not None and SPARSE not in output.kinds:
+                raise InvalidInputError(f"{name} applies to the sparse output, which was not asked for", name)
+        if opts.max_active_dims is not None and opts.max_active_dims < 1:
+            raise InvalidInputError(
+                f"max_active_dims must be at least 1, got {opts.max_active_dims}", "max_active_dims"
+            )
+        t = opts.sparse_threshold
+        if t is not None and not (np.isfinite(t) and t >= 0):
+            raise InvalidInputError(
+                f"sparse_threshold must be a finite number >= 0, got {t}", "sparse_threshold"
+            )
 
     def truncation(self, opts: EmbedOptions) -> Truncation:
         enabled = self.settings.auto_truncate if opts.truncate is None else opts.truncate
@@ -428,6 +458,7 @@ class Engine:
                 f"dimensions must be in 1..{self.spec.dimension}, got {opts.dimensions}", param="dimensions"
             )
         output = self.output_request(opts.outputs)
+        self._check_sparse_options(opts, output)
         rule = self.truncation(opts)
         prompt = self._prompt(inputs, opts)
         chunk_rule = self._chunk_rule(inputs, opts)
@@ -475,7 +506,7 @@ class Engine:
             return EmbedResult(
                 vectors,
                 tokens,
-                sparse=[self._sparse(r.sparse) for r in results] if SPARSE in kinds else None,
+                sparse=[self._sparse(r.sparse, opts) for r in results] if SPARSE in kinds else None,
                 colbert=[r.colbert for r in results] if COLBERT in kinds else None,
             )
         except BaseException:
