@@ -312,7 +312,7 @@ class Engine:
 
     def output_request(self, kinds: frozenset[str] | None) -> OutputRequest:
         """What each input of a request asks the workers for; a kind this model cannot give is a 400."""
-        if kinds is None and SCORE in self.spec.outputs:
+        if SCORE in self.spec.outputs and SCORE not in (kinds or ()):
             raise InvalidInputError(
                 f"model {self.name} is a cross-encoder or classifier: it scores (/rerank, /classify) and does "
                 "not embed; see docs/models.md",

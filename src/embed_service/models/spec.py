@@ -76,6 +76,8 @@ class ScoreSpec:
     rerank_activation: str
     classify_activation: str
     yes_no_ids: tuple[int, int] | None = None  # the LLM reranker's (no, yes) token ids
+
+
 # sentence-transformers' SparseEncoder (SPLADE): the architectures whose masked-LM head models/bert.py builds,
 # and the SpladePooling options (sparse_encoder/modules/splade_pooling.py).
 SPLADE_ARCHITECTURES = frozenset(
