@@ -183,6 +183,7 @@ def load_spec(path: str | Path, max_input_length: int | None = None) -> ModelSpe
     if not isinstance(config, dict):
         raise ValueError(f"{path / 'config.json'}: not a JSON object")
     architecture, family = resolve_family(config)
+    config = family.standard_config(config)
     pooling, normalize = family.default_pooling, family.default_normalize
     dense: list[DenseSpec] = []
     modules = _st_modules(path)
