@@ -248,6 +248,7 @@ def load_spec(path: str | Path, max_input_length: int | None = None, llm_reranke
     if not isinstance(config, dict):
         raise ValueError(f"{path / 'config.json'}: not a JSON object")
     architecture, family = resolve_family(config)
+    config = family.standard_config(config)
     pooling, normalize = family.default_pooling, family.default_normalize
     dense: list[DenseSpec] = []
     splade: SpladeSpec | None = None
