@@ -189,6 +189,21 @@ class Settings(BaseSettings):
     """Open client connections; a request on a connection past it gets 503 with ``Retry-After`` and the
     connection is closed. Lowered at start-up to what the open-file limit allows (with a warning)."""
 
+    fidelity_min_cosine: float = 0.999
+    """At start-up each replica embeds a few fixed inputs as it serves them (dtype, kernels, attention,
+    tensor parallelism) and with a float32 reference pass of the same weights; below this cosine it refuses
+    to become ready, saying why (/info reports the figure). ``0``: no check."""
+
+    fidelity_warn_only: bool = False
+    """Serve anyway when the start-up fidelity check fails, with a warning in the log and in /info."""
+
+    @field_validator("fidelity_min_cosine")
+    @classmethod
+    def _cosine(cls, v: float) -> float:
+        if not 0 <= v <= 1:  # NaN too
+            raise ValueError("must be a cosine between 0 and 1")
+        return v
+
     @field_validator("served_model_name", mode="before")
     @classmethod
     def _split_names(cls, v: object) -> object:

@@ -183,6 +183,9 @@ class Engine:
             tp,
             free_port() if tp > 1 else 0,
             llm_reranker=settings.llm_reranker,
+            max_batch_tokens=self.max_batch_tokens,
+            fidelity_min_cosine=settings.fidelity_min_cosine,
+            fidelity_warn_only=settings.fidelity_warn_only,
         )
         # loading -> ready <-> restarting (no replica up) -> draining | failed
         self.state = "loading"
@@ -760,7 +763,8 @@ class Engine:
             "chunk_long_inputs": s.chunk_long_inputs,
             "chunk_overlap": s.chunk_overlap,
             "max_chunks_per_input": s.max_chunks_per_input,
-            "dtype": self.dtype,
+            # On CUDA --dtype auto is decided by the workers (from the GPU's compute capability).
+            "dtype": first.group.rank_info[0].get("dtype", self.dtype) if first else self.dtype,
             "device": self.device,
             "tensor_parallel_size": s.tensor_parallel_size,
             "num_threads": self.num_threads,
@@ -784,4 +788,9 @@ class Engine:
             else [],
             "worker_pids": [r["pid"] for r in first.group.rank_info] if first else [],
             "replicas": self.replica_set.info(),
+            # What the workers chose (ops/fused.py, ops/attention.py) and the start-up fidelity check's
+            # figure (workers/fidelity.py).
+            "kernels": first.group.rank_info[0].get("kernels") if first else None,
+            "attention": first.group.rank_info[0].get("attention") if first else None,
+            "fidelity": first.group.rank_info[0].get("fidelity") if first else None,
         }

@@ -75,7 +75,7 @@ class BertOutput(nn.Module):
         self.LayerNorm = LayerNorm(cfg["hidden_size"], cfg.get("layer_norm_eps", 1e-12))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
+        return self.LayerNorm(self.dense(x), residual)[0]  # the add fused into the norm where it can be
 
 
 class BertAttention(nn.Module):

@@ -41,11 +41,20 @@ def check_world_size(device: str, world_size: int) -> None:
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    if dtype != "auto":
+    """--dtype for the workers. On CUDA ``auto`` stays ``auto``: each worker decides from its own GPU
+    (cuda_dtype_for), and the server process creates no CUDA context."""
+    if dtype != "auto" or device == "cuda":
         return dtype
-    if device == "cuda":
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     return "bfloat16" if cpu_has_bf16() else "float32"
+
+
+def cuda_dtype_for(capability: tuple[int, int]) -> str:
+    """``--dtype auto`` on a GPU of this compute capability: bfloat16 from Ampere (8.0) on, float16 before.
+
+    Not torch.cuda.is_bf16_supported(): it says True on Volta and Turing (V100, T4), which emulate bfloat16
+    at a fraction of their float16 speed.
+    """
+    return "bfloat16" if tuple(capability) >= (8, 0) else "float16"
 
 
 # --- what the container grants ---------------------------------------------------------------------------
