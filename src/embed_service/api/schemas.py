@@ -302,6 +302,8 @@ class Info(BaseModel):
 class Health(BaseModel):
     status: Literal["ok", "loading", "draining", "restarting", "unhealthy"]
     reason: str | None = None
+    models: dict[str, str] | None = None
+    """Each served model's state (``loading``, ``ready``, ``restarting``, ...), by canonical name."""
 
 
 class Live(BaseModel):

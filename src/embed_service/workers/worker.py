@@ -34,6 +34,7 @@ class WorkerConfig:
     num_threads: int
     world_size: int
     dist_port: int
+    devices: tuple[str, ...] = ()  # one per rank, from the resource plan (plan.py); empty: cuda:rank or cpu
 
 
 def die_with_parent() -> None:
@@ -98,10 +99,10 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
     from embed_service.ops.batch import FlatBatch
     from embed_service.outputs import OutputRequest
     from embed_service.parallel import set_tensor_parallel
-    from embed_service.workers.device import DTYPES
+    from embed_service.workers.device import DTYPES, rank_device
 
     torch.set_num_threads(cfg.num_threads)
-    device = torch.device("cuda", rank) if cfg.device == "cuda" else torch.device("cpu")
+    device = rank_device(cfg.device, cfg.devices, rank)
     if cfg.device == "cuda":
         torch.cuda.set_device(device)
     if cfg.world_size > 1:
