@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -345,29 +346,30 @@ def read_config_file(path: str | Path) -> ConfigFile:
     settings inside a model entry, and a file that is not a mapping."""
     file = Path(path)
     suffix = file.suffix.lower()
+    if suffix not in (".toml", ".yaml", ".yml"):
+        raise ConfigFileError(f"{file}: a config file is .yaml, .yml or .toml, not {suffix or 'no suffix'}")
     try:
         text = file.read_bytes()
     except OSError as exc:
         raise ConfigFileError(f"{file}: cannot read it: {exc.strerror or exc}") from None
-    try:
-        if suffix == ".toml":
+    data: Any
+    if suffix == ".toml":
+        if sys.version_info >= (3, 11):
             import tomllib
+        else:  # pragma: no cover
+            import tomli as tomllib
+        try:
+            data = tomllib.loads(text.decode("utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigFileError(f"{file}: not valid TOML: {exc}") from None
+    else:
+        import yaml
 
-            data: Any = tomllib.loads(text.decode("utf-8"))
-        elif suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
-        else:
-            raise ConfigFileError(
-                f"{file}: a config file is .yaml, .yml or .toml, not {suffix or 'no suffix'}"
-            )
-    except (ValueError, UnicodeDecodeError) as exc:  # tomllib.TOMLDecodeError is a ValueError
-        if isinstance(exc, ConfigFileError):
-            raise
-        raise ConfigFileError(f"{file}: not valid TOML: {exc}") from None
-    except Exception as exc:  # yaml.YAMLError: its first line says where
-        raise ConfigFileError(f"{file}: not valid YAML: {str(exc).splitlines()[0]}") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:  # its lines say what and where: one line
+            raise ConfigFileError(f"{file}: not valid YAML: {' '.join(str(exc).split())}") from None
+        data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigFileError(f"{file}: the top level must be a mapping of settings")
     out = ConfigFile(file)
