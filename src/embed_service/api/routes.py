@@ -317,16 +317,16 @@ async def health(request: Request) -> Response:
         return json_response({"status": "unhealthy", "reason": state.fatal}, 503, RETRY_AFTER)
     # 503 only while a model has no replica that can serve; one restarting beside a serving one is fine.
     # Every model must serve: a client routed to one that cannot would get 503s from a ready server.
-    models = {e.name: e.state for e in state.models.engines}
-    restarting = [e for e in state.models.engines if e.state == "restarting"]
+    engines = state.models.engines
+    several = {"models": {e.name: e.state for e in engines}} if len(engines) > 1 else {}
+    restarting = [e for e in engines if e.state == "restarting"]
     if restarting:
         first = restarting[0]
-        reason = first.failure if len(models) == 1 else f"model {first.name}: {first.failure}"
-        body = {"status": "restarting", "reason": reason, "models": models}
-        return json_response(body, 503, RETRY_AFTER)
+        reason = f"model {first.name}: {first.failure}" if several else first.failure
+        return json_response({"status": "restarting", "reason": reason, **several}, 503, RETRY_AFTER)
     if not state.models.ready:
-        return json_response({"status": "loading", "models": models}, 503, RETRY_AFTER)
-    return json_response({"status": "ok", "models": models})
+        return json_response({"status": "loading", **several}, 503, RETRY_AFTER)
+    return json_response({"status": "ok", **several})
 
 
 @router.get(

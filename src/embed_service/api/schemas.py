@@ -303,7 +303,7 @@ class Health(BaseModel):
     status: Literal["ok", "loading", "draining", "restarting", "unhealthy"]
     reason: str | None = None
     models: dict[str, str] | None = None
-    """Each served model's state (``loading``, ``ready``, ``restarting``, ...), by canonical name."""
+    """With several models, each one's state (``loading``, ``ready``, ``restarting``, ...), by canonical name."""
 
 
 class Live(BaseModel):
