@@ -158,8 +158,8 @@ def serve_config(values: dict[str, Any]) -> ServeConfig:
             file = read_config_file(server.config)
         except ConfigFileError as exc:
             raise Refusal([f"--config: {exc}"]) from None
-        labels = {k: f"{file.path}: {k}" for k in file.server} | flag_labels
-        server = _validate(ServerSettings, {**file.server, **server_flags}, labels)
+        from_file = {k: f"{file.path}: {k}" for k in file.server}
+        server = _validate(ServerSettings, {**file.server, **server_flags}, from_file | flag_labels)
     if own and file.models:
         raise Refusal([f"--config {file.path} lists models and --model is given too: list them in one place"])
     entries = own or file.models or [{}]
@@ -167,20 +167,18 @@ def serve_config(values: dict[str, Any]) -> ServeConfig:
     server_values = server.model_dump()
     models = []
     for i, entry in enumerate(entries):
-        if own:  # flags: before the first --model, then this model's
-            layers = [(file.shared, "file"), (shared, "flag"), (entry, "flag")]
-        else:  # the file: its top level, then this model's entry; flags before any --model win
-            layers = [(file.shared, "file"), (entry, f"file models[{i}]"), (shared, "flag")]
+        top = {k: f"{file.path}: {k}" for k in file.shared}
+        flags = {k: _flag(k) for k in shared}
+        if own:  # lowest first: the file's top level, flags before the first --model, this --model's flags
+            layers = [(file.shared, top), (shared, flags), (entry, {k: _flag(k) for k in entry})]
+        else:  # the file's top level, this model's entry, flags before any --model
+            mine = {k: f"{file.path}: models[{i}].{k}" for k in entry}
+            layers = [(file.shared, top), (entry, mine), (shared, flags)]
         merged: dict[str, Any] = {}
-        labels = {}
-        for layer, kind in layers:
-            for k, v in layer.items():
-                merged[k] = v
-                if kind == "flag":
-                    labels[k] = _flag(k)
-                else:
-                    where = f"models[{i}].{k}" if kind != "file" else k
-                    labels[k] = f"{file.path}: {where}"
+        labels: dict[str, str] = {}
+        for layer, given in layers:
+            merged |= layer
+            labels |= given
         prefix = f"model {i + 1} ({merged.get('model') or 'the default model'}): " if several else ""
         models.append(_validate(Settings, {**server_values, **merged}, labels, prefix))
     return ServeConfig(server, models)
