@@ -20,7 +20,7 @@ import numpy as np
 from embed_service import metrics, observability
 from embed_service.batching.batcher import Batcher
 from embed_service.batching.sequence import RequestState, Sequence
-from embed_service.config import Settings
+from embed_service.config import ModelSettings, Settings
 from embed_service.engine import chunking
 from embed_service.engine.admission import Admission, Limits, Permit, check_request, run_piecewise
 from embed_service.engine.errors import InvalidInputError, NotReadyError
@@ -53,13 +53,8 @@ from embed_service.outputs import (
     Sparse,
 )
 from embed_service.parallel import check_shardable
-from embed_service.workers.device import (
-    available_cores,
-    available_memory,
-    check_world_size,
-    resolve_device,
-    resolve_dtype,
-)
+from embed_service.plan import ModelPlan, ModelRequest, copies_fit, plan_resources
+from embed_service.workers.device import available_memory, resolve_device, resolve_dtype, this_machine
 from embed_service.workers.group import WorkerGroup, free_port
 from embed_service.workers.worker import WorkerConfig
 
@@ -107,11 +102,26 @@ def finish(vectors: np.ndarray, dimensions: int | None, normalize: bool) -> np.n
     return np.ascontiguousarray(vectors, dtype=np.float32)
 
 
+def weight_bytes(spec: ModelSpec) -> int:
+    """The checkpoint's size on disk."""
+    return sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in spec.path.glob(pattern))
+
+
 def small_enough_to_copy(spec: ModelSpec) -> bool:
     """Two copies of the checkpoint fit in an eighth of the memory the process may use (its cgroup's limit)."""
-    weights = sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in spec.path.glob(pattern))
-    memory = available_memory()
-    return memory is not None and 2 * weights <= memory // 8
+    return copies_fit(weight_bytes(spec), available_memory())
+
+
+def model_request(settings: ModelSettings, spec: ModelSpec, name: str, device: str) -> ModelRequest:
+    """What one model asks of the resource plan (plan.py)."""
+    return ModelRequest(
+        name,
+        device,
+        settings.tensor_parallel_size,
+        settings.data_parallel_size,
+        settings.num_threads,
+        weight_bytes(spec),
+    )
 
 
 INLINE_TOKENIZE_CHARS = 1024
@@ -144,7 +154,12 @@ def _chunk(inputs: Inputs, start: int, most: int, prompt: str | None, limit: int
 
 
 class Engine:
-    def __init__(self, settings: Settings, spec: ModelSpec, served_names: list[str]):
+    """One served model. `plan`: its share of the machine (plan.py) when the server serves several; by default
+    the model has the machine to itself."""
+
+    def __init__(
+        self, settings: Settings, spec: ModelSpec, served_names: list[str], plan: ModelPlan | None = None
+    ):
         self.settings = settings
         self.spec = spec
         self.served_names = served_names
@@ -158,22 +173,20 @@ class Engine:
                 f"({spec.max_input_length}): the longest input could never be batched"
             )
         self.tokenizer = Tokenizer(spec)
-        self.device = resolve_device(settings.device)
+        self.device = plan.device if plan else resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, self.device)
         tp = settings.tensor_parallel_size
         check_shardable(spec.config, tp)  # before any worker starts: fail fast, naming the numbers
-        check_world_size(self.device, tp)
-        # Replicas: on a CPU, two single-purpose workers beat one with twice the threads. An OpenMP team
-        # stalls at every barrier while one of its threads waits for a core the event loop or the
-        # client holds (measured on 2 busy cores: 26 vs 5 passages/s), and a second replica lets a short
-        # request run beside a long batch instead of behind it.
-        # Only where a second copy of the weights is cheap: a 7B checkpoint must not be loaded twice.
-        self.replicas = settings.data_parallel_size or (
-            2
-            if self.device == "cpu" and tp == 1 and available_cores() >= 2 and small_enough_to_copy(spec)
-            else 1
+        # Replicas, threads and devices: the resource plan (plan.py says why these defaults). Alone, the
+        # model plans for the whole machine; a plan it cannot have (GPUs not there) is a ValueError here.
+        self.plan = (
+            plan
+            or plan_resources(
+                [model_request(settings, spec, self.name, self.device)], this_machine(self.device == "cuda")
+            ).models[0]
         )
-        self.num_threads = settings.num_threads or max(1, available_cores() // (tp * self.replicas))
+        self.replicas = self.plan.replicas
+        self.num_threads = self.plan.num_threads
         self.worker_config = WorkerConfig(
             str(spec.path),
             spec.max_input_length,
@@ -182,6 +195,7 @@ class Engine:
             self.num_threads,
             tp,
             free_port() if tp > 1 else 0,
+            devices=self.plan.devices[0],
             llm_reranker=settings.llm_reranker,
             max_batch_tokens=self.max_batch_tokens,
             fidelity_min_cosine=settings.fidelity_min_cosine,
@@ -211,6 +225,7 @@ class Engine:
             settings.batch_timeout,
             on_change=self._replicas_changed,
             on_give_up=self._fail,
+            devices=self.plan.devices,
         )
         self.batcher: Batcher | None = None
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"tokenize-{self.name}")
@@ -274,7 +289,7 @@ class Engine:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     def _make_group(self, index: int, on_death: Any) -> WorkerGroup:
-        config = self.worker_config
+        config = dataclasses.replace(self.worker_config, devices=self.plan.devices[index])  # its own devices
         if config.world_size > 1:  # every group its own rendezvous (an old one's port may linger)
             config = dataclasses.replace(config, dist_port=free_port())
         return WorkerGroup(config, on_death=on_death)

@@ -39,6 +39,7 @@ class WorkerConfig:
     max_batch_tokens: int = 0  # the largest batch serving forms; 0: 2 x max_input_length
     fidelity_min_cosine: float = 0.999  # --fidelity-min-cosine (workers/fidelity.py); 0: not checked
     fidelity_warn_only: bool = False  # --fidelity-warn-only
+    devices: tuple[str, ...] = ()  # one per rank, from the resource plan (plan.py); empty: cuda:rank or cpu
 
 
 # An error after which the device cannot be trusted: a CUDA device-side assert or an illegal memory access
@@ -136,10 +137,10 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
     from embed_service.outputs import DENSE, OutputRequest
     from embed_service.parallel import set_tensor_parallel
     from embed_service.workers import fidelity, null_model
-    from embed_service.workers.device import DTYPES, cuda_dtype_for
+    from embed_service.workers.device import DTYPES, cuda_dtype_for, rank_device
 
     torch.set_num_threads(cfg.num_threads)
-    device = torch.device("cuda", rank) if cfg.device == "cuda" else torch.device("cpu")
+    device = rank_device(cfg.device, cfg.devices, rank)
     if cfg.device == "cuda":
         torch.cuda.set_device(device)
     dtype = cfg.dtype
