@@ -1,5 +1,6 @@
-"""`embed-service serve` (every Settings field is a flag (--kebab-case) and an EMBED_* variable) and
-`embed-service bench` (load against any OpenAI-compatible embeddings URL)."""
+"""`embed-service serve` (every Settings field is a flag (--kebab-case) and an EMBED_* variable),
+`embed-service bench` (load against any OpenAI-compatible embeddings URL) and `embed-service encode` (a
+file of texts embedded in process: offline.py)."""
 
 from __future__ import annotations
 
@@ -30,8 +31,10 @@ def _default_text(default: Any, description: str) -> str:
     return f" (default: {default})".replace("%", "%%")
 
 
-def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+def _add_settings_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | None = None) -> None:
     for name, field in Settings.model_fields.items():
+        if names is not None and name not in names:
+            continue
         flag = "--" + name.replace("_", "-")
         description = field.description or ""
         help_text = description.replace("%", "%%") + _default_text(field.default, description)
@@ -101,7 +104,33 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         )
     )
+    from embed_service import offline
+
+    encode = sub.add_parser(
+        "encode",
+        help="embed a file of texts in this process (JSON lines, CSV, Parquet, text -> Parquet or .npy)",
+        description="Embed a file of texts in this process, with the server's engine and no HTTP: "
+        "streaming, with a progress bar, resumable (a rerun skips the rows written). See docs/offline.md.",
+    )
+    offline.add_arguments(encode)
+    _add_settings_flags(encode, ENCODE_SETTINGS)
     return parser
+
+
+# The settings `encode` takes: the engine's, not the HTTP server's.
+ENCODE_SETTINGS = (
+    "model",
+    "revision",
+    "device",
+    "dtype",
+    "max_input_length",
+    "max_batch_tokens",
+    "max_batch_requests",
+    "data_parallel_size",
+    "tensor_parallel_size",
+    "num_threads",
+    "log_level",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench.main(args)
     values: dict[str, Any] = {k: v for k, v in vars(args).items() if k != "command"}
+    if args.command == "encode":
+        return _encode(args, {k: v for k, v in values.items() if k in ENCODE_SETTINGS})
     if args.command == "serve":
         try:
             settings = Settings(**values)
@@ -122,6 +153,22 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve(settings)
     return 2
+
+
+def _encode(args: argparse.Namespace, settings: dict[str, Any]) -> int:
+    from embed_service import offline
+
+    try:
+        Settings(**settings)  # the settings' refusals as serve gives them, before the input is read
+    except (ValidationError, SettingsError) as exc:
+        for line in settings_errors(exc, settings):
+            print(f"embed-service: {line}", file=sys.stderr)
+        return 2
+    try:
+        return offline.run(args, settings)
+    except (offline.JobError, ValueError) as exc:
+        print(f"embed-service: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

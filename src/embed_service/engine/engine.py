@@ -350,7 +350,7 @@ class Engine:
             seqs = self.tokenizer.encode(inputs, prompt, rule, self.settings.max_input_chars, first)
         else:
             seqs = inputs  # type: ignore[assignment]
-            self.tokenizer.check_ids(seqs)
+            self.tokenizer.check_ids(seqs, first)
         try:
             return self.tokenizer.truncate(seqs, rule, prompt)
         except InputTooLongError as exc:
