@@ -304,8 +304,8 @@ class Parts:
             del out
             ids_path = ids_file(self.output)
             ids_tmp = ids_path.with_name(ids_path.name + ".tmp")
-            with open(ids_tmp, "wb") as f:
-                np.save(f, np.asarray(ids))
+            with open(ids_tmp, "wb") as handle:
+                np.save(handle, np.asarray(ids))
             _fsync_replace(ids_tmp, ids_path)
             _fsync_replace(tmp, self.output)  # last: OUTPUT present means the job is done
         shutil.rmtree(self.dir)
