@@ -1,5 +1,6 @@
 """`embed-service serve` (every Settings field is a flag (--kebab-case) and an EMBED_* variable) and
-`embed-service bench` (load against any OpenAI-compatible embeddings URL).
+`embed-service bench` (load against any OpenAI-compatible embeddings URL) and `embed-service encode` (a
+file of texts embedded in process: offline.py).
 
 Several models: `--model` is repeatable, and a per-model flag applies to the `--model` it follows; one given
 before the first `--model` applies to every model. `--config FILE` lists models (and server settings) in a
@@ -65,12 +66,18 @@ def _scoped(action: type[argparse.Action]) -> type[argparse.Action]:
     return Scoped
 
 
-def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    server = parser.add_argument_group("server settings (one value for the whole server)")
-    model = parser.add_argument_group(
-        "model settings (after a --model: that model's; before the first --model: every model's)"
-    )
+def _add_settings_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | None = None) -> None:
+    """Every setting as a flag; `names`: only these, for one model and unscoped (`embed-service encode`)."""
+    if names is not None:
+        server = model = parser.add_argument_group("model settings")
+    else:
+        server = parser.add_argument_group("server settings (one value for the whole server)")
+        model = parser.add_argument_group(
+            "model settings (after a --model: that model's; before the first --model: every model's)"
+        )
     for name, field in Settings.model_fields.items():
+        if names is not None and name not in names:
+            continue
         flag = "--" + name.replace("_", "-")
         description = field.description or ""
         help_text = description.replace("%", "%%") + _default_text(field.default, description)
@@ -78,7 +85,7 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
         annotation = field.annotation
         origin = typing.get_origin(annotation)
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        per_model = name in MODEL_FIELDS
+        per_model = name in MODEL_FIELDS and names is None
         group = model if per_model else server
         kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": help_text}
         if annotation is bool:
@@ -93,7 +100,7 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
             else:
                 base = args[0] if args else annotation
                 kwargs["type"] = base if base in (int, float) else str
-        if name == "model":
+        if name == "model" and names is None:
             kwargs["help"] += " (repeatable)"
         group.add_argument(flag, action=_scoped(action) if per_model else action, **kwargs)
 
@@ -203,7 +210,33 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         )
     )
+    from embed_service import offline
+
+    encode = sub.add_parser(
+        "encode",
+        help="embed a file of texts in this process (JSON lines, CSV, Parquet, text -> Parquet or .npy)",
+        description="Embed a file of texts in this process, with the server's engine and no HTTP: "
+        "streaming, with a progress bar, resumable (a rerun skips the rows written). See docs/offline.md.",
+    )
+    offline.add_arguments(encode)
+    _add_settings_flags(encode, ENCODE_SETTINGS)
     return parser
+
+
+# The settings `encode` takes: the engine's, not the HTTP server's.
+ENCODE_SETTINGS = (
+    "model",
+    "revision",
+    "device",
+    "dtype",
+    "max_input_length",
+    "max_batch_tokens",
+    "max_batch_requests",
+    "data_parallel_size",
+    "tensor_parallel_size",
+    "num_threads",
+    "log_level",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench.main(args)
     values: dict[str, Any] = {k: v for k, v in vars(args).items() if k != "command"}
+    if args.command == "encode":
+        return _encode(args, {k: v for k, v in values.items() if k in ENCODE_SETTINGS})
     if args.command == "serve":
         try:
             config = serve_config(values)
@@ -224,6 +259,22 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve(config)
     return 2
+
+
+def _encode(args: argparse.Namespace, settings: dict[str, Any]) -> int:
+    from embed_service import offline
+
+    try:
+        Settings(**settings)  # the settings' refusals as serve gives them, before the input is read
+    except (ValidationError, SettingsError) as exc:
+        for line in settings_errors(exc, settings):
+            print(f"embed-service: {line}", file=sys.stderr)
+        return 2
+    try:
+        return offline.run(args, settings)
+    except (offline.JobError, ValueError) as exc:
+        print(f"embed-service: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -163,6 +163,21 @@ def serving(request: Request, name: str | None) -> Engine:
     return engine
 
 
+def embed_options(body: EmbeddingRequest) -> EmbedOptions:
+    """The engine's options for an embeddings request (chunking aside), for this route and the Python API."""
+    return EmbedOptions(
+        body.truncate,
+        body.truncation_direction,
+        body.normalize,
+        body.dimensions,
+        body.prompt_name,
+        body.prompt,
+        outputs=frozenset(body.outputs) if body.outputs else None,  # None: the model's default
+        max_active_dims=body.max_active_dims,
+        sparse_threshold=body.sparse_threshold,
+    )
+
+
 @router.post(
     "/v1/embeddings",
     summary="Embed texts or token ids (OpenAI embeddings API)",
@@ -175,18 +190,7 @@ async def embeddings(request: Request, _: Authorized) -> Response:
     note(request, inputs=len(body.input))
     engine = serving(request, body.model)
     # Admission (the client batch limit, the character budgets, capacity) is the engine's, for every route.
-    opts = EmbedOptions(
-        body.truncate,
-        body.truncation_direction,
-        body.normalize,
-        body.dimensions,
-        body.prompt_name,
-        body.prompt,
-        # No outputs named: the model's default (dense; sparse for a SPLADE model).
-        outputs=frozenset(body.outputs) if body.outputs else engine.spec.default_outputs,
-        max_active_dims=body.max_active_dims,
-        sparse_threshold=body.sparse_threshold,
-    )
+    opts = embed_options(body)
     dimension = body.dimensions or engine.spec.dimension  # checked before any work is paid for
     ranges = encodings.check_ranges(body.embed_dtype, body.embed_ranges, dimension)
     if body.chunking is not None:  # long inputs (engine/chunking.py)

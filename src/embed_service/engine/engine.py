@@ -75,7 +75,7 @@ class EmbedOptions:
     prompt: str | None = None
     chunking: chunking.ChunkOptions | None = None  # long inputs (engine/chunking.py)
     outputs: frozenset[str] | None = None
-    """The output kinds (outputs.KINDS) each input asks for; None: dense only."""
+    """The output kinds (outputs.KINDS) each input asks for; None: the model's default (ModelSpec.default_outputs)."""
     max_active_dims: int | None = None
     """Sparse output: keep the largest N weights (sentence-transformers' max_active_dims); None: all."""
     sparse_threshold: float | None = None
@@ -338,7 +338,7 @@ class Engine:
             )
         if kinds is None and DENSE in self.spec.outputs:
             return DENSE_ONLY
-        kinds = frozenset({DENSE}) if kinds is None else kinds
+        kinds = self.spec.default_outputs if kinds is None else kinds  # sparse for a SPLADE model
         if not kinds:
             raise InvalidInputError("outputs must name at least one output kind", param="outputs")
         missing = sorted(kinds - self.spec.outputs)
@@ -413,7 +413,7 @@ class Engine:
             seqs = self.tokenizer.encode(inputs, prompt, rule, self.settings.max_input_chars, first)
         else:
             seqs = inputs  # type: ignore[assignment]
-            self.tokenizer.check_ids(seqs)
+            self.tokenizer.check_ids(seqs, first)
         try:
             return self.tokenizer.truncate(seqs, rule, prompt)
         except InputTooLongError as exc:
