@@ -14,8 +14,13 @@ import cohere
 import httpx
 import numpy as np
 import pytest
+import schemathesis
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
 
+from tests.api.test_openapi import CHECKS
 from tests.models.cross_encoders import bert_config, build
 from tests.server import ServerProcess, read_corpus
 
@@ -209,3 +214,24 @@ def test_an_embedding_model_does_not_rerank_and_a_cross_encoder_does_not_embed(s
 def test_a_key_is_required(server):
     r = httpx.post(server.url + "/rerank", json={"query": QUERY, "documents": ["a"]}, timeout=30)
     assert r.status_code == 401
+
+
+@pytest.mark.parametrize("path", ["/v2/rerank", "/classify"])
+def test_fuzzed_from_its_own_openapi_no_5xx_and_every_answer_as_described(server, path):
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json", headers=AUTH)
+    operation = schema[path]["POST"]
+    statuses: dict[int, int] = {}
+    cases = st.one_of(
+        operation.as_strategy(GenerationMode.POSITIVE), operation.as_strategy(GenerationMode.NEGATIVE)
+    )
+
+    @settings(max_examples=80, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(cases)
+    def fuzz(case) -> None:
+        response = case.call(base_url=server.url, headers=AUTH, timeout=60)
+        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+        case.validate_response(response, checks=CHECKS, headers=AUTH)
+
+    fuzz()
+    assert not [s for s in statuses if s >= 500], statuses
+    assert statuses.get(200) and statuses.get(400), statuses  # both kinds of case reached the server
