@@ -78,6 +78,24 @@ class ScoreSpec:
     yes_no_ids: tuple[int, int] | None = None  # the LLM reranker's (no, yes) token ids
 
 
+# sentence-transformers' SparseEncoder (SPLADE): the architectures whose masked-LM head models/bert.py builds,
+# and the SpladePooling options (sparse_encoder/modules/splade_pooling.py).
+SPLADE_ARCHITECTURES = frozenset(
+    {"BertForMaskedLM", "BertForPreTraining", "RobertaForMaskedLM", "XLMRobertaForMaskedLM"}
+)
+_SPLADE_POOLING = ("max", "sum")
+_SPLADE_ACTIVATIONS = ("relu", "log1p_relu")
+
+
+@dataclass(frozen=True)
+class SpladeSpec:
+    """A SpladePooling module over the MLM logits: per token log(1 + ReLU(logits)) (``log1p_relu``: log1p
+    once more), then the maximum (``max``) or the sum (``sum``) over the tokens, per vocabulary entry."""
+
+    pooling_strategy: str = "max"
+    activation_function: str = "relu"
+
+
 @dataclass
 class ModelSpec:
     path: Path
@@ -99,19 +117,29 @@ class ModelSpec:
     """bge-m3's colbert_linear.pt (multi-vector), when the folder has it."""
     score: ScoreSpec | None = None
     """A cross-encoder or classifier (*ForSequenceClassification): it scores and does not embed."""
+    splade: SpladeSpec | None = None
+    """A SPLADE model (modules.json lists SpladePooling): its output is the vocabulary-size sparse vector
+    of the MLM head's logits, and it gives no dense output."""
 
     @property
     def outputs(self) -> frozenset[str]:
         """The output kinds this model gives: a scoring model scores only; an embedding model gives dense,
-        and sparse and colbert with bge-m3's heads."""
+        and sparse and colbert with bge-m3's heads; a SPLADE model sparse only."""
         if self.score is not None:
             return frozenset({"score"})
+        if self.splade is not None:
+            return frozenset({"sparse"})
         kinds = {"dense"}
         if self.sparse_head is not None:
             kinds.add("sparse")
         if self.colbert_head is not None:
             kinds.add("colbert")
         return frozenset(kinds)
+
+    @property
+    def default_outputs(self) -> frozenset[str]:
+        """What a request that names no outputs gets: sparse for a SPLADE model, else dense."""
+        return frozenset({"sparse" if self.splade is not None else "dense"})
 
     @property
     def hidden_size(self) -> int:
@@ -142,6 +170,10 @@ class ModelSpec:
 
     @property
     def dimension(self) -> int:
+        """The dense vector's size; for a SPLADE model the sparse vector's (the vocabulary), as
+        sentence-transformers' SparseEncoder reports it."""
+        if self.splade is not None:
+            return int(self.config["vocab_size"])
         return self.dense[-1].out_features if self.dense else self.hidden_size
 
     @property
@@ -216,8 +248,10 @@ def load_spec(path: str | Path, max_input_length: int | None = None, llm_reranke
     if not isinstance(config, dict):
         raise ValueError(f"{path / 'config.json'}: not a JSON object")
     architecture, family = resolve_family(config)
+    config = family.standard_config(config)
     pooling, normalize = family.default_pooling, family.default_normalize
     dense: list[DenseSpec] = []
+    splade: SpladeSpec | None = None
     modules = _st_modules(path)
     if modules:
         normalize = False  # with sentence-transformers files, Normalize is on only when listed
@@ -230,8 +264,12 @@ def load_spec(path: str | Path, max_input_length: int | None = None, llm_reranke
                 normalize = True
             elif kind == "Dense":
                 dense.append(_dense(mpath))
-            elif kind not in ("Transformer", "Pooling"):
+            elif kind == "SpladePooling":
+                splade = _splade_pooling(mpath)
+            elif kind not in ("Transformer", "MLMTransformer"):
                 raise ValueError(f"unsupported sentence-transformers module {m.get('type')}")
+        if splade is not None or any(m.get("type", "").endswith("MLMTransformer") for m in modules):
+            _check_splade(path, architecture, modules)
     width = int(config["hidden_size"])
     for d in dense:  # each Dense takes what the one before gives
         if d.in_features != width:
@@ -256,6 +294,7 @@ def load_spec(path: str | Path, max_input_length: int | None = None, llm_reranke
         score=_llm_reranker(path, family)
         if llm_reranker
         else _score_spec(path, config, architecture, family),
+        splade=splade,
     )
     spec.max_input_length = max_input_length or default_max_length(path, position_limit)
     if spec.max_input_length > position_limit:
@@ -339,6 +378,39 @@ def _pooling_mode(mpath: Path) -> str:
             f"with {chosen} pooling"
         )
     return chosen
+
+
+def _splade_pooling(mpath: Path) -> SpladeSpec:
+    """A SpladePooling module's options from its config.json, refusing values sentence-transformers refuses."""
+    file = mpath / "config.json"
+    cfg = _read_json(file) if file.is_file() else {}
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{file}: not a JSON object")
+    spec = SpladeSpec(cfg.get("pooling_strategy", "max"), cfg.get("activation_function", "relu"))
+    if spec.pooling_strategy not in _SPLADE_POOLING:
+        raise ValueError(
+            f"{file}: pooling_strategy {spec.pooling_strategy!r} is not one of {_SPLADE_POOLING}"
+        )
+    if spec.activation_function not in _SPLADE_ACTIVATIONS:
+        raise ValueError(
+            f"{file}: activation_function {spec.activation_function!r} is not one of {_SPLADE_ACTIVATIONS}"
+        )
+    return spec
+
+
+def _check_splade(path: Path, architecture: str, modules: list[dict[str, Any]]) -> None:
+    """SpladePooling reads MLM logits: the checkpoint must be a masked LM whose head we build, and nothing
+    but the transformer may stand before the pooling (a dense Pooling or Dense module beside it is refused)."""
+    kinds = [m.get("type", "").rsplit(".", 1)[-1] for m in modules]
+    if kinds[-1:] != ["SpladePooling"] or any(k not in ("Transformer", "MLMTransformer") for k in kinds[:-1]):
+        raise ValueError(
+            f"{path / 'modules.json'}: a SPLADE model is a transformer then SpladePooling, found {kinds}"
+        )
+    if architecture not in SPLADE_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: SpladePooling needs a masked-LM checkpoint with its head "
+            f"({', '.join(sorted(SPLADE_ARCHITECTURES))}); config.json names {architecture}"
+        )
 
 
 def _prompts(path: Path) -> tuple[dict[str, str], str | None]:
