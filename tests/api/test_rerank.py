@@ -3,19 +3,23 @@ scores and order of sentence-transformers' CrossEncoder, every bad input a 400 i
 embedding model asked to rerank (or a cross-encoder asked to embed) a clear 400.
 
 The models: a tiny random BERT cross-encoder (the packaged model's WordPiece tokenizer) and the packaged
-all-MiniLM-L6-v2, one live server each for the module.
+all-MiniLM-L6-v2, served together by one live server for the module (embed, then rerank, as a retrieval
+pipeline does).
 """
 
 from __future__ import annotations
-
-from concurrent.futures import ThreadPoolExecutor
 
 import cohere
 import httpx
 import numpy as np
 import pytest
+import schemathesis
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
 
+from tests.api.test_openapi import CHECKS
 from tests.models.cross_encoders import bert_config, build
 from tests.server import ServerProcess, read_corpus
 
@@ -39,35 +43,28 @@ def model_path(tmp_path_factory, default_model_path):
 
 
 @pytest.fixture(scope="module")
-def servers(model_path):
-    env = {"EMBED_API_KEY": KEY}
-    common = ("--dtype", "float32", "--data-parallel-size", "1")
-    # Capacity below a large request's documents: it is admitted piecewise, batched by tokens.
-    ce = ServerProcess(
+def server(model_path, default_model_path):
+    with ServerProcess(
+        "--dtype",
+        "float32",
+        "--data-parallel-size",
+        "1",
         "--model",
         str(model_path),
         "--served-model-name",
         "tiny-ce",
+        # Capacity below a large request's documents: it is admitted piecewise, batched by tokens.
         "--max-client-batch-size",
         "4096",
         "--max-concurrent-requests",
         "512",
-        *common,
-        env=env,
-    )
-    embedder = ServerProcess("--served-model-name", "minilm", *common, env=env)
-    try:
-        ce.wait_healthy()
-        embedder.wait_healthy()
-        yield ce, embedder
-    finally:
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda s: s.stop(), (ce, embedder)))
-
-
-@pytest.fixture(scope="module")
-def server(servers):
-    return servers[0]
+        "--model",
+        str(default_model_path),
+        "--served-model-name",
+        "minilm",
+        env={"EMBED_API_KEY": KEY},
+    ) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -190,22 +187,46 @@ def test_cohere_client_raises_bad_request(server):
         client.rerank(model="tiny-ce", query=QUERY, documents=["a", "b"], top_n=5)
 
 
-def test_an_embedding_model_does_not_rerank_and_a_cross_encoder_does_not_embed(servers):
-    ce, embedder = servers
-    r = post(embedder, "/rerank", {"query": QUERY, "documents": ["a"]})
+def test_an_embedding_model_does_not_rerank_and_a_cross_encoder_does_not_embed(server):
+    r = post(server, "/rerank", {"model": "minilm", "query": QUERY, "documents": ["a"]})
     assert r.status_code == 400
     assert "embedding model" in r.json()["error"]["message"]
-    r = post(embedder, "/classify", {"input": ["a"]})
+    r = post(server, "/classify", {"model": "minilm", "input": ["a"]})
     assert r.status_code == 400
-    r = post(ce, "/v1/embeddings", {"input": ["a"]})
+    r = post(server, "/v1/embeddings", {"model": "tiny-ce", "input": ["a"]})
     assert r.status_code == 400
     assert "does not embed" in r.json()["error"]["message"]
-    client = cohere.ClientV2(base_url=ce.url, api_key=KEY, timeout=60)
+    client = cohere.ClientV2(base_url=server.url, api_key=KEY, timeout=60)
     with pytest.raises(cohere.BadRequestError):
         client.embed(model="tiny-ce", texts=["a"], input_type="search_query", embedding_types=["float"])
-    assert post(embedder, "/v1/embeddings", {"input": ["a"]}).status_code == 200
+    # The pipeline's two steps on one server: embed with one model, rerank with the other.
+    assert post(server, "/v1/embeddings", {"model": "minilm", "input": ["a"]}).status_code == 200
+    assert (
+        post(server, "/v2/rerank", {"model": "tiny-ce", "query": "q", "documents": ["a"]}).status_code == 200
+    )
 
 
 def test_a_key_is_required(server):
     r = httpx.post(server.url + "/rerank", json={"query": QUERY, "documents": ["a"]}, timeout=30)
     assert r.status_code == 401
+
+
+@pytest.mark.parametrize("path", ["/v2/rerank", "/classify"])
+def test_fuzzed_from_its_own_openapi_no_5xx_and_every_answer_as_described(server, path):
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json", headers=AUTH)
+    operation = schema[path]["POST"]
+    statuses: dict[int, int] = {}
+    cases = st.one_of(
+        operation.as_strategy(GenerationMode.POSITIVE), operation.as_strategy(GenerationMode.NEGATIVE)
+    )
+
+    @settings(max_examples=80, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(cases)
+    def fuzz(case) -> None:
+        response = case.call(base_url=server.url, headers=AUTH, timeout=60)
+        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+        case.validate_response(response, checks=CHECKS, headers=AUTH)
+
+    fuzz()
+    assert not [s for s in statuses if s >= 500], statuses
+    assert statuses.get(200) and statuses.get(400), statuses  # both kinds of case reached the server
