@@ -50,10 +50,16 @@ class DenseSpec:
     activation: str
 
 
-# sentence-transformers' SparseEncoder (SPLADE): the architectures whose masked-LM head models/bert.py builds,
-# and the SpladePooling options (sparse_encoder/modules/splade_pooling.py).
+# sentence-transformers' SparseEncoder (SPLADE): the architectures whose masked-LM head models/bert.py and
+# models/modernbert.py build, and the SpladePooling options (sparse_encoder/modules/splade_pooling.py).
 SPLADE_ARCHITECTURES = frozenset(
-    {"BertForMaskedLM", "BertForPreTraining", "RobertaForMaskedLM", "XLMRobertaForMaskedLM"}
+    {
+        "BertForMaskedLM",
+        "BertForPreTraining",
+        "RobertaForMaskedLM",
+        "XLMRobertaForMaskedLM",
+        "ModernBertForMaskedLM",
+    }
 )
 _SPLADE_POOLING = ("max", "sum")
 _SPLADE_ACTIVATIONS = ("relu", "log1p_relu")
