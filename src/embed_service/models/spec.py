@@ -50,15 +50,15 @@ class DenseSpec:
     activation: str
 
 
-# sentence-transformers' SparseEncoder (SPLADE): the architectures whose masked-LM head models/bert.py and
-# models/modernbert.py build, and the SpladePooling options (sparse_encoder/modules/splade_pooling.py).
+# sentence-transformers' SparseEncoder (SPLADE): the architectures whose masked-LM head models/bert.py builds,
+# and the SpladePooling options (sparse_encoder/modules/splade_pooling.py).
 SPLADE_ARCHITECTURES = frozenset(
     {
         "BertForMaskedLM",
         "BertForPreTraining",
         "RobertaForMaskedLM",
         "XLMRobertaForMaskedLM",
-        "ModernBertForMaskedLM",
+        "ModernBertForMaskedLM",  # its head: models/modernbert.py
     }
 )
 _SPLADE_POOLING = ("max", "sum")
