@@ -7,6 +7,10 @@ machine. Example, this tree against an older commit checked out with `git worktr
 
     python benchmarks/http_cpu.py --tree old=/tmp/old/src --tree new=src \
         --corpus ../shared/bench/corpus/queries.jsonl
+
+`--null-model` runs the workers without a model (workers/null_model.py): the HTTP process is then what
+limits the server, its figure depends less on how fast the workers are (which moves with whatever else the
+machine runs), and the texts/s printed is the front end's ceiling.
 """
 
 from __future__ import annotations
@@ -25,9 +29,12 @@ import httpx
 import psutil
 
 
-def measure(src: str, args: argparse.Namespace, extra: list[str]) -> tuple[float, float]:
-    """(microseconds of server CPU per request, texts/s) for one run of one tree."""
+def measure(src: str, args: argparse.Namespace, extra: list[str]) -> tuple[float, float, float]:
+    """(microseconds of server CPU per request, texts/s, cores the server process kept busy) for one run
+    of one tree."""
     env = {**os.environ, "PYTHONPATH": str(Path(src).resolve())}
+    if args.null_model:
+        env["EMBED_NULL_MODEL"] = "1"
     with tempfile.NamedTemporaryFile("w", suffix=".log") as log:
         server = subprocess.Popen(
             [sys.executable, "-m", "embed_service", "serve", "--port", str(args.port), *extra],
@@ -79,7 +86,7 @@ def measure(src: str, args: argparse.Namespace, extra: list[str]) -> tuple[float
             server.terminate()
             server.wait(60)
     cpu = (after.user + after.system) - (before.user + before.system)
-    return cpu / max(1, report["requests"]) * 1e6, report["texts_per_s"]
+    return cpu / max(1, report["requests"]) * 1e6, report["texts_per_s"], cpu / report["seconds"]
 
 
 def main() -> None:
@@ -93,20 +100,28 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--inputs-per-request", type=int, default=1)
     parser.add_argument("--port", type=int, default=8126)
+    parser.add_argument(
+        "--null-model", action="store_true", help="workers without a model (EMBED_NULL_MODEL)"
+    )
     args = parser.parse_args()
     trees = []
     for spec in args.tree:
         name, _, rest = spec.partition("=")
         src, _, flags = rest.partition(":")
         trees.append((name, src, flags.split()))
-    runs: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in trees}
+    runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name, _, _ in trees}
     for _ in range(args.rounds):
         for name, src, extra in trees:
             runs[name].append(measure(src, args, extra))
     for name, values in runs.items():
         us = statistics.median(v[0] for v in values)
         tps = statistics.median(v[1] for v in values)
-        print(f"{name:12s} {us:7.0f} us CPU per request (median of {len(values)}), {tps:7.1f} texts/s")
+        cores = statistics.median(v[2] for v in values)
+        each = " ".join(f"{v[0]:.0f}" for v in values)
+        print(
+            f"{name:12s} {us:7.0f} us CPU per request (median of {len(values)}: {each}), "
+            f"{tps:7.1f} texts/s, {cores:.2f} cores busy"
+        )
 
 
 if __name__ == "__main__":

@@ -311,6 +311,8 @@ class Info(BaseModel):
 class Health(BaseModel):
     status: Literal["ok", "loading", "draining", "restarting", "unhealthy"]
     reason: str | None = None
+    models: dict[str, str] | None = None
+    """With several models, each one's state (``loading``, ``ready``, ``restarting``, ...), by canonical name."""
 
 
 class Live(BaseModel):

@@ -44,8 +44,10 @@ class BertEmbeddings(nn.Module):
             batch.positions + self.position_offset
         )
         if self.type_vocab_size:
-            # Single-text inputs: every token is segment 0.
-            x = x + self.token_type_embeddings.weight[0]
+            if batch.token_type_ids is None:  # single texts: every token is segment 0
+                x = x + self.token_type_embeddings.weight[0]
+            else:  # pairs (cross-encoders): the second text is segment 1
+                x = x + self.token_type_embeddings(batch.token_type_ids)
         return self.LayerNorm(x)
 
 
@@ -73,7 +75,7 @@ class BertOutput(nn.Module):
         self.LayerNorm = LayerNorm(cfg["hidden_size"], cfg.get("layer_norm_eps", 1e-12))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
+        return self.LayerNorm(self.dense(x), residual)[0]  # the add fused into the norm where it can be
 
 
 class BertAttention(nn.Module):
@@ -132,7 +134,16 @@ class BertModel(nn.Module):
         "attention.self.value.": ("attention.self.qkv_proj.", "v"),
     }
     checkpoint_prefixes = ("bert.", "model.")
-    ignored_weights = ("pooler.", "cls.", "embeddings.position_ids", "lm_head.")
+    # The pooler and a classifier belong to the scoring head (models/scoring.py), which loads them itself
+    # (a prefix is only stripped before this model's own modules: "bert.pooler." stays as it is).
+    ignored_weights = (
+        "pooler.",
+        "cls.",
+        "embeddings.position_ids",
+        "lm_head.",
+        "classifier.",
+        "bert.pooler.",
+    )
 
     def __init__(self, spec: ModelSpec):
         super().__init__()

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from embed_service.models.spec import SpladeSpec
-from embed_service.outputs import COLBERT, DENSE, SPARSE, OutputRequest, SequenceOutput, Sparse
+from embed_service.outputs import COLBERT, DENSE, KINDS, SCORE, SPARSE, OutputRequest, SequenceOutput, Sparse
 from embed_service.parallel import all_gather_last_dim, tp_world_size
 
 # Float32 elements of one (rows, vocabulary) slab of SPLADE logits or pooled rows: 64 MiB, whatever the batch.
@@ -57,6 +57,7 @@ class OutputHeads(nn.Module):
         dense: nn.ModuleList,
         sparse: nn.Linear | None = None,
         colbert: nn.Linear | None = None,
+        score: nn.Module | None = None,
         splade: SpladeHead | None = None,
     ):
         super().__init__()
@@ -64,13 +65,14 @@ class OutputHeads(nn.Module):
         self.dense = dense
         self.sparse = sparse
         self.colbert = colbert
+        self.score = score  # (T, H), cu_seqlens -> (B, L) logits: models/scoring.py
         self.splade = splade  # a SPLADE model's sparse output, instead of bge-m3's
 
     def forward(
         self, hidden: torch.Tensor, ids: torch.Tensor, cu_seqlens: torch.Tensor, requests: list[OutputRequest]
     ) -> list[SequenceOutput]:
         outs = [SequenceOutput() for _ in requests]
-        want = {k: [i for i, r in enumerate(requests) if k in r.kinds] for k in (DENSE, SPARSE, COLBERT)}
+        want = {k: [i for i, r in enumerate(requests) if k in r.kinds] for k in KINDS}
         cu = cu_seqlens.tolist()
         if want[DENSE]:
             # Pooling is one pass over the tokens; the Dense layers run on the rows asked for.
@@ -85,6 +87,11 @@ class OutputHeads(nn.Module):
             self._sparse(hidden, ids, cu, want[SPARSE], outs)
         if want[COLBERT]:
             self._colbert(hidden, cu, want[COLBERT], outs)
+        if want[SCORE]:
+            assert self.score is not None, "only scoring models give scores (ModelSpec.outputs)"
+            scores = self.score(hidden.float(), cu_seqlens)[torch.tensor(want[SCORE], device=hidden.device)]
+            for i, row in zip(want[SCORE], scores.cpu().numpy()):
+                outs[i].score = row
         return outs
 
     def _sparse(

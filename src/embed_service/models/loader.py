@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from embed_service.layers.linear import ReplicatedLinear, default_weight_loader
+from embed_service.models import scoring
 from embed_service.models.checkpoint import weight_files
 from embed_service.models.heads import OutputHeads, SpladeHead, load_linear
 from embed_service.models.spec import DenseSpec, ModelSpec
@@ -123,6 +124,7 @@ class Embedder(nn.Module):
             dense,
             load_linear(spec.sparse_head, device) if spec.sparse_head else None,
             load_linear(spec.colbert_head, device) if spec.colbert_head else None,
+            scoring.load_head(spec, device) if spec.score else None,
             SpladeHead(self.model.mlm_logits, spec.splade, int(spec.config["vocab_size"]))
             if spec.splade is not None
             else None,

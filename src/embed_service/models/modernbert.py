@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from embed_service.layers.activation import get_activation
+from embed_service.layers.activation import act_and_mul, get_activation
 from embed_service.layers.embedding import VocabParallelEmbedding
 from embed_service.layers.linear import (
     MergedColumnParallelLinear,
@@ -108,12 +108,13 @@ class ModernBertMLP(nn.Module):
         h, i, bias = cfg["hidden_size"], cfg["intermediate_size"], cfg.get("mlp_bias", False)
         self.Wi = MergedColumnParallelLinear(h, [i, i], bias)
         _load_packed(self.Wi, [0, 1])
-        self.act = get_activation(cfg.get("hidden_activation", "gelu"))
+        self.act_name = cfg.get("hidden_activation", "gelu")
+        get_activation(self.act_name)  # refuse an unknown activation at build time
         self.Wo = RowParallelLinear(i, h, bias, "intermediate size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        inp, gate = self.Wi(x).chunk(2, dim=-1)  # (T, I_r) each
-        return self.Wo(self.act(inp) * gate)
+        # (T, 2 I_r) -> (T, I_r): act(input) * gate, one kernel where it can be
+        return self.Wo(act_and_mul(self.Wi(x), self.act_name))
 
 
 class ModernBertEncoderLayer(nn.Module):
@@ -130,8 +131,8 @@ class ModernBertEncoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, batch: FlatBatch, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), batch, cos, sin)
-        return h + self.mlp(self.mlp_norm(h))
+        normed, h = self.mlp_norm(self.attn(self.attn_norm(x), batch, cos, sin), x)
+        return h + self.mlp(normed)
 
 
 class ModernBertModel(nn.Module):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from embed_service.models.registry import Family, resolve_family
+from embed_service.models.registry import SCORING_HEADS, Family, resolve_family
 
 # sentence-transformers' pooling modes, by their names in the current `pooling_mode` key -> ours.
 _POOLING_MODES = {
@@ -48,6 +48,34 @@ class DenseSpec:
     out_features: int
     bias: bool
     activation: str
+
+
+# sentence-transformers CrossEncoder activations (activation_fn), by their dotted paths -> ours.
+_CE_ACTIVATIONS = {
+    "torch.nn.modules.activation.Sigmoid": "sigmoid",
+    "torch.nn.modules.linear.Identity": "identity",
+    "torch.nn.modules.activation.Tanh": "tanh",
+    "torch.nn.Sigmoid": "sigmoid",
+    "torch.nn.Identity": "identity",
+    "torch.nn.Tanh": "tanh",
+}
+
+
+@dataclass(frozen=True)
+class ScoreSpec:
+    """A scoring model's head and how its logits become scores (models/scoring.py, engine/scoring.py).
+
+    rerank_activation: what CrossEncoder.predict applies (its saved ``activation_fn``, else sigmoid for one
+    label, identity for several). classify_activation: what the transformers text-classification pipeline
+    applies (by ``problem_type``: sigmoid for multi-label or one label, softmax for single-label or several,
+    none for regression).
+    """
+
+    head: str  # "bert", "roberta", "modernbert" (a classifier) or "yes_no" (an LLM reranker)
+    labels: tuple[str, ...]  # id2label, in label order
+    rerank_activation: str
+    classify_activation: str
+    yes_no_ids: tuple[int, int] | None = None  # the LLM reranker's (no, yes) token ids
 
 
 # sentence-transformers' SparseEncoder (SPLADE): the architectures whose masked-LM head models/bert.py builds,
@@ -93,14 +121,18 @@ class ModelSpec:
     """bge-m3's sparse_linear.pt (lexical weights), when the folder has it."""
     colbert_head: Path | None = None
     """bge-m3's colbert_linear.pt (multi-vector), when the folder has it."""
+    score: ScoreSpec | None = None
+    """A cross-encoder or classifier (*ForSequenceClassification): it scores and does not embed."""
     splade: SpladeSpec | None = None
     """A SPLADE model (modules.json lists SpladePooling): its output is the vocabulary-size sparse vector
     of the MLM head's logits, and it gives no dense output."""
 
     @property
     def outputs(self) -> frozenset[str]:
-        """The output kinds this model gives: dense always, sparse and colbert with bge-m3's heads; a SPLADE
-        model sparse only."""
+        """The output kinds this model gives: a scoring model scores only; an embedding model gives dense,
+        and sparse and colbert with bge-m3's heads; a SPLADE model sparse only."""
+        if self.score is not None:
+            return frozenset({"score"})
         if self.splade is not None:
             return frozenset({"sparse"})
         kinds = {"dense"}
@@ -214,7 +246,7 @@ def _st_modules(path: Path) -> list[dict[str, Any]]:
     return _read_json(modules) if modules.is_file() else []
 
 
-def load_spec(path: str | Path, max_input_length: int | None = None) -> ModelSpec:
+def load_spec(path: str | Path, max_input_length: int | None = None, llm_reranker: bool = False) -> ModelSpec:
     path = Path(path).resolve()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
@@ -222,6 +254,7 @@ def load_spec(path: str | Path, max_input_length: int | None = None) -> ModelSpe
     if not isinstance(config, dict):
         raise ValueError(f"{path / 'config.json'}: not a JSON object")
     architecture, family = resolve_family(config)
+    config = family.standard_config(config)
     pooling, normalize = family.default_pooling, family.default_normalize
     dense: list[DenseSpec] = []
     splade: SpladeSpec | None = None
@@ -264,6 +297,9 @@ def load_spec(path: str | Path, max_input_length: int | None = None) -> ModelSpe
         # bge-m3's layout: the heads beside the transformer's weights (FlagEmbedding loads them by name).
         sparse_head=path / "sparse_linear.pt" if (path / "sparse_linear.pt").is_file() else None,
         colbert_head=path / "colbert_linear.pt" if (path / "colbert_linear.pt").is_file() else None,
+        score=_llm_reranker(path, family)
+        if llm_reranker
+        else _score_spec(path, config, architecture, family),
         splade=splade,
     )
     spec.max_input_length = max_input_length or default_max_length(path, position_limit)
@@ -272,6 +308,60 @@ def load_spec(path: str | Path, max_input_length: int | None = None) -> ModelSpe
             f"max input length {spec.max_input_length} exceeds the model's {position_limit} positions"
         )
     return spec
+
+
+def _score_spec(path: Path, config: dict[str, Any], architecture: str, family: Family) -> ScoreSpec | None:
+    """The scoring head of a *ForSequenceClassification checkpoint, with its labels and activations."""
+    if not architecture.endswith("ForSequenceClassification"):
+        return None
+    id2label = config.get("id2label") or {}
+    try:
+        labels = tuple(str(id2label[k]) for k in sorted(id2label, key=int))
+    except (TypeError, ValueError):
+        raise ValueError(f"{path / 'config.json'}: id2label keys must be label indices") from None
+    if not labels:
+        n = config.get("num_labels", 2)
+        labels = tuple(f"LABEL_{i}" for i in range(n if isinstance(n, int) and n > 0 else 2))
+    # CrossEncoder's activation: sentence-transformers 6 saves it in config_sentence_transformers.json,
+    # 4 and 5 in config.json, older versions under another key.
+    st_file = path / "config_sentence_transformers.json"
+    st = _read_json(st_file) if st_file.is_file() else {}
+    saved = (
+        (st.get("activation_fn") if isinstance(st, dict) else None)
+        or (config.get("sentence_transformers") or {}).get("activation_fn")
+        or config.get("sbert_ce_default_activation_function")
+    )
+    if saved is not None and saved not in _CE_ACTIVATIONS:
+        raise ValueError(f"{path}: unsupported cross-encoder activation {saved!r}")
+    rerank = _CE_ACTIVATIONS[saved] if saved else ("sigmoid" if len(labels) == 1 else "identity")
+    problem = config.get("problem_type")
+    if problem == "regression":
+        classify = "identity"
+    elif problem == "multi_label_classification" or len(labels) == 1:
+        classify = "sigmoid"
+    else:
+        classify = "softmax"
+    return ScoreSpec(SCORING_HEADS[family.cls], labels, rerank, classify)
+
+
+def _vocab_id(path: Path, token: str) -> int:
+    """A token's id from tokenizer.json (its added tokens, then the model's vocabulary)."""
+    tok = _read_json(path / "tokenizer.json") if (path / "tokenizer.json").is_file() else {}
+    for added in tok.get("added_tokens") or []:
+        if added.get("content") == token:
+            return int(added["id"])
+    vocab = (tok.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict) and token in vocab:
+        return int(vocab[token])
+    raise ValueError(f"{path / 'tokenizer.json'}: no {token!r} token, which an LLM reranker scores")
+
+
+def _llm_reranker(path: Path, family: Family) -> ScoreSpec:
+    """Qwen3-Reranker style (--llm-reranker): a causal LM's `no` and `yes` logits at the last token."""
+    if not family.causal:
+        raise ValueError(f"--llm-reranker needs a causal LM (*ForCausalLM); {family.cls} is an encoder")
+    ids = (_vocab_id(path, "no"), _vocab_id(path, "yes"))
+    return ScoreSpec("yes_no", ("yes",), "yes_no", "yes_no", yes_no_ids=ids)
 
 
 def _pooling_mode(mpath: Path) -> str:
