@@ -6,7 +6,8 @@ with --tensor-parallel-size 2). The reference is SparseEncoder.encode on the sam
 sets and the same weights, with and without max_active_dims. The MLM bias is drawn around -1.6, so that a
 text activates a few hundred vocabulary entries as real SPLADE models do, not half the vocabulary.
 
-The sum pooling, the log1p_relu activation and the RoBERTa/XLM-R head (``lm_head.*``) are checked in-process
+The sum pooling, the log1p_relu activation, the RoBERTa/XLM-R head (``lm_head.*``) and ModernBERT's
+(``head.*``, ``decoder.*``) are checked in-process
 (the Embedder the workers run, on the same folders) against SparseEncoder, without a server each.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import functools
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -22,6 +24,7 @@ import pytest
 import torch
 import transformers as T
 
+from tests.models.test_families import CASES
 from tests.models.tiny import Tiny, build, texts
 from tests.server import ServerProcess
 
@@ -55,6 +58,8 @@ XLMR = Tiny(
     ),
     tokenizer="bpe-template",
 )
+# test_families' ModernBERT (local and global layers, biased norms), without its sentence-transformers files.
+MODERNBERT = replace(next(c for c in CASES if c.name == "modernbert"), name="splade-modernbert", pooling=None)
 MAX_LENGTH = 64
 TEXTS = texts()
 
@@ -70,7 +75,7 @@ def write_splade(
 
     build(tiny, path, sources)
     weights = load_file(path / "model.safetensors")
-    name = next(k for k in ("cls.predictions.bias", "lm_head.bias") if k in weights)
+    name = next(k for k in ("cls.predictions.bias", "lm_head.bias", "decoder.bias") if k in weights)
     g = torch.Generator().manual_seed(2)
     weights[name] = -1.6 + 0.3 * torch.randn(weights[name].shape, generator=g)
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
@@ -133,7 +138,7 @@ def sparse_rows(url: str, inputs, **kw) -> list[dict[int, float]]:
 
 
 def compare(ours: list[dict[int, float]], ref: list[dict[int, float]]) -> tuple[float, float]:
-    """Same token sets, values within rtol 1e-5 (atol 1e-6: float32 logits are good to ~1e-7 whatever their
+    """Same token sets, values within rtol 1e-5 (atol 5e-6: float32 logits are good to ~1e-6 whatever their
     size, so a weight near 0 is not good to 1e-5 of itself in any float32 implementation); the worst
     (relative diff over the weights >= 0.1, absolute diff over all)."""
     worst_rel, worst_abs = 0.0, 0.0
@@ -143,7 +148,7 @@ def compare(ours: list[dict[int, float]], ref: list[dict[int, float]]) -> tuple[
             continue
         keys = sorted(a)
         x, y = np.array([a[k] for k in keys]), np.array([b[k] for k in keys])
-        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6, err_msg=f"text {i}")
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=5e-6, err_msg=f"text {i}")
         big = y >= 0.1
         worst_abs = max(worst_abs, float(np.abs(x - y).max()))
         if big.any():
@@ -276,8 +281,8 @@ def embed_in_process(path: Path, inputs: list[str]) -> list[dict[int, float]]:
 
 @pytest.mark.parametrize(
     "tiny, pooling, activation",
-    [(BERT, "sum", "log1p_relu"), (XLMR, "max", "relu")],
-    ids=["bert-sum-log1p_relu", "xlmr-max-relu"],
+    [(BERT, "sum", "log1p_relu"), (XLMR, "max", "relu"), (MODERNBERT, "max", "relu")],
+    ids=["bert-sum-log1p_relu", "xlmr-max-relu", "modernbert-max-relu"],
 )
 def test_variants_in_process(tmp_path, tokenizer_sources, tiny, pooling, activation):
     path = write_splade(tiny, tmp_path, tokenizer_sources, pooling, activation)

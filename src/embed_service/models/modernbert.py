@@ -11,11 +11,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from embed_service.layers.activation import act_and_mul, get_activation
 from embed_service.layers.embedding import VocabParallelEmbedding
-from embed_service.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from embed_service.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from embed_service.layers.norm import LayerNorm
 from embed_service.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from embed_service.models.spec import ModelSpec
@@ -154,3 +160,45 @@ class ModernBertModel(nn.Module):
         for layer in self.layers:
             x = layer(x, batch, *tables[layer.kind])
         return self.final_norm(x)
+
+    def add_mlm_head(self, cfg: dict[str, Any]) -> None:
+        """ModernBertForMaskedLM's ``head.*`` and ``decoder.*`` (SPLADE models only), as models/bert.py's."""
+        self.head = ModernBertPredictionHead(cfg)
+        self.decoder = ModernBertDecoder(cfg, self.embeddings.tok_embeddings)
+
+    def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> (N, V_r): the logits of this rank's rows of the vocabulary."""
+        weight = (
+            self.decoder.weight if self.decoder.weight is not None else self.embeddings.tok_embeddings.weight
+        )
+        return F.linear(self.head(hidden), weight, self.decoder.bias)
+
+
+class ModernBertPredictionHead(nn.Module):
+    """dense (classifier_bias), classifier_activation, norm."""
+
+    def __init__(self, cfg: dict[str, Any]):
+        super().__init__()
+        h = cfg["hidden_size"]
+        self.dense = ReplicatedLinear(h, h, bias=cfg.get("classifier_bias", False))
+        self.act = get_activation(cfg.get("classifier_activation", "gelu"))
+        self.norm = _norm(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.act(self.dense(x)))
+
+
+class ModernBertDecoder(nn.Module):
+    """The decoder's bias (decoder_bias) and, untied only, its weight: this rank's vocabulary rows, as the
+    embedding table it is otherwise tied to."""
+
+    def __init__(self, cfg: dict[str, Any], table: VocabParallelEmbedding):
+        super().__init__()
+        self.weight: nn.Parameter | None = None
+        self.bias: nn.Parameter | None = None
+        if cfg.get("tie_word_embeddings", True) is False:
+            self.weight = nn.Parameter(torch.empty_like(table.weight), requires_grad=False)
+            self.weight.weight_loader = table.weight_loader  # type: ignore[attr-defined]
+        if cfg.get("decoder_bias", True):
+            self.bias = nn.Parameter(torch.empty(table.per_rank), requires_grad=False)
+            self.bias.weight_loader = table.weight_loader  # type: ignore[attr-defined]

@@ -81,7 +81,13 @@ class ScoreSpec:
 # sentence-transformers' SparseEncoder (SPLADE): the architectures whose masked-LM head models/bert.py builds,
 # and the SpladePooling options (sparse_encoder/modules/splade_pooling.py).
 SPLADE_ARCHITECTURES = frozenset(
-    {"BertForMaskedLM", "BertForPreTraining", "RobertaForMaskedLM", "XLMRobertaForMaskedLM"}
+    {
+        "BertForMaskedLM",
+        "BertForPreTraining",
+        "RobertaForMaskedLM",
+        "XLMRobertaForMaskedLM",
+        "ModernBertForMaskedLM",  # its head: models/modernbert.py
+    }
 )
 _SPLADE_POOLING = ("max", "sum")
 _SPLADE_ACTIVATIONS = ("relu", "log1p_relu")
