@@ -184,6 +184,7 @@ CASES = [
         "Gemma2ForCausalLM",
         lambda: T.Gemma2Config(**GEMMA, rope_theta=30000.0, sliding_window=16, attn_logit_softcapping=3.0),
         tokenizer="bpe",
+        norm_mean=0.0,
     ),
     Tiny(
         "embeddinggemma",  # EmbeddingGemma's layout: bidirectional Gemma 3, mean, two Dense, Normalize, prompts
@@ -204,6 +205,7 @@ CASES = [
         max_seq_length=200,
         prompts=EMBEDDINGGEMMA_PROMPTS,
         dense=((96, False), (40, False)),
+        norm_mean=0.0,
     ),
 ]
 
