@@ -122,7 +122,12 @@ def worker_main(rank: int, cfg: WorkerConfig, conn: Connection, heartbeat: Any =
             conn.send(("fatal", traceback.format_exc()))
         except Exception:
             pass
-        sys.exit(1)
+        # At once, without the interpreter's shutdown: tearing down a process group whose peers sit in a
+        # collective, or a poisoned CUDA context, can block, and the group learns of the failure from the
+        # exit (workers/group.py names the worker that exited).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:

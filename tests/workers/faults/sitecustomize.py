@@ -7,6 +7,7 @@ workers included. EMBED_TEST_FAULTS names the faults, comma-separated:
   vectors the start-up fidelity check is for); the reference pass is untouched.
 - ``oom-above:N``: a batch of more than N tokens holding token id OOM_TOKEN raises torch.OutOfMemoryError,
   on every rank.
+- ``oom-rank0-above:N``: the same on rank 0 only (the other ranks go on into a collective rank 0 never joins).
 - ``fatal-token``: a batch holding token id FATAL_TOKEN raises the error a CUDA device-side assert gives.
 
 Nothing here is imported by the service itself; the hooks wrap ops/fused.configure, which every worker
@@ -76,7 +77,8 @@ def _install() -> None:
         if "break-kernel" in FAULTS:
             fused._kernels, fused._reason = _broken_kernels(), "broken (test fault)"
             choice = fused._reason
-        oom = [int(f.split(":", 1)[1]) for f in FAULTS if f.startswith("oom-above:")]
+        oom = [int(f.split(":", 1)[1]) for f in FAULTS if f.startswith(("oom-above:", "oom-rank0-above:"))]
+        rank0_only = any(f.startswith("oom-rank0-above:") for f in FAULTS)
         if oom or "fatal-token" in FAULTS:
             import torch
 
@@ -88,7 +90,10 @@ def _install() -> None:
                 ids = batch.input_ids
                 if "fatal-token" in FAULTS and bool((ids == FATAL_TOKEN).any()):
                     raise RuntimeError("CUDA error: device-side assert triggered (test fault)")
-                if oom and int(batch.cu_seqlens[-1]) > oom[0] and bool((ids == OOM_TOKEN).any()):
+                from embed_service.parallel import tp_rank
+
+                hit = oom and int(batch.cu_seqlens[-1]) > oom[0] and bool((ids == OOM_TOKEN).any())
+                if hit and (not rank0_only or tp_rank() == 0):
                     raise torch.OutOfMemoryError(
                         "CUDA out of memory. Tried to allocate 2.00 GiB (test fault)"
                     )
