@@ -200,7 +200,8 @@ async def embeddings(request: Request, _: Authorized) -> Response:
     note(request, tokens=result.prompt_tokens)
     b64 = body.encoding_format == "base64"
     data: list[dict[str, Any]] = [{"object": "embedding", "index": i} for i in range(len(body.input))]
-    if opts.outputs is not None and "dense" in opts.outputs:
+    kinds = engine.spec.default_outputs if opts.outputs is None else opts.outputs  # as the engine resolves it
+    if "dense" in kinds:
         # base64 strings, or arrays orjson writes straight as numbers: no per-value Python objects.
         rows = encodings.rows(result.embeddings, body.embed_dtype, body.encoding_format, ranges)
         for item, row in zip(data, rows):
