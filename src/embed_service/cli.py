@@ -235,7 +235,6 @@ ENCODE_SETTINGS = (
     "data_parallel_size",
     "tensor_parallel_size",
     "num_threads",
-    "log_level",
 )
 
 
