@@ -292,6 +292,7 @@ def through_http(model_dir: Path, config: dict, device: str, budget: int, corpor
     server = ServerProcess(
         "--model", str(model_dir), "--device", device, "--max-batch-tokens", str(budget), "--fidelity-warn-only",
         "--max-input-length", str(max(corpora)),  # the longest input measured (a 32k decoder's own is 32768)
+        "--data-parallel-size", "1",  # one replica: one GPU measured
     )  # fmt: skip
     try:
         server.wait_healthy(timeout=600)
@@ -344,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu-dry-run", action="store_true", help="the same steps on the CPU at toy sizes")
     p.add_argument(
-        "--duration", type=float, default=None, help="seconds of each HTTP load (default 8; 2 dry)"
+        "--duration", type=float, default=None, help="seconds of each HTTP load (default 8; 3 dry)"
     )
     p.add_argument("--models", default="encoder,decoder")
     p.add_argument("--encoder-budgets", default=None, help="--max-batch-tokens values (default 4096,16384)")
@@ -357,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     if not dry and not torch.cuda.is_available():
         print("gpu_check: no CUDA device (use --cpu-dry-run to check the script on a CPU)", file=sys.stderr)
         return 2
-    args.duration = args.duration or (1.0 if dry else 8.0)
+    args.duration = args.duration or (3.0 if dry else 8.0)
     budgets = {
         "encoder": [int(x) for x in (args.encoder_budgets or ("1024" if dry else "4096,16384")).split(",")],
         "decoder": [int(x) for x in (args.decoder_budgets or ("1024" if dry else "16384")).split(",")],
