@@ -80,7 +80,9 @@ def options(body: CohereEmbedRequest, engine: Engine) -> EmbedOptions:
     names = PROMPT_NAMES.get(body.input_type or "", ())
     prompt_name = next((n for n in names if n in engine.spec.prompts), None)
     truncate, direction = TRUNCATION[body.truncate or "END"]
-    return EmbedOptions(truncate, direction, dimensions=dimension, prompt_name=prompt_name)
+    # Dense only, named: a model whose default is another output (SPLADE's sparse) is a 400 here.
+    dense = frozenset({"dense"})
+    return EmbedOptions(truncate, direction, dimensions=dimension, prompt_name=prompt_name, outputs=dense)
 
 
 async def embed(request: Request, by_type: bool) -> Response:
