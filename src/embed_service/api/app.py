@@ -120,4 +120,3 @@ def create_app(settings: Settings, engines: list[Engine]) -> FastAPI:
     openapi.install(app, [router, cohere.router], check_api_key, bool(state.api_keys))
     app.add_middleware(AccessLogMiddleware, default_model=engines[0].name)  # the metrics too: one layer
     return app
-
