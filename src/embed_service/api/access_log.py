@@ -34,7 +34,10 @@ SAFE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:+/=-]{1,128}")
 # draining and failures have lines of their own): their lines are debug level.
 QUIET_PATHS = frozenset({"/health", "/live", "/metrics"})
 # The routes whose durations embed_request_duration_seconds records.
-TIMED_PATHS = frozenset({"/v1/embeddings", "/embeddings", "/tokenize", "/v2/embed", "/v1/embed"})
+TIMED_PATHS = frozenset(
+    {"/v1/embeddings", "/embeddings", "/tokenize", "/v2/embed", "/v1/embed"}
+    | {"/rerank", "/v1/rerank", "/v2/rerank", "/classify"}
+)
 
 
 def request_id(headers: list[tuple[bytes, bytes]]) -> str:

@@ -301,8 +301,9 @@ class Tokenizer:
         """The vocabulary's token for each id (ids known to be in range)."""
         return [self.backend.id_to_token(i) or "" for i in ids]
 
-    def check_ids(self, seqs: list[list[int]]) -> None:
-        for i, seq in enumerate(seqs):
+    def check_ids(self, seqs: list[list[int]], first: int = 0) -> None:
+        """`first`: the index of seqs[0] in its request, for the message."""
+        for i, seq in enumerate(seqs, first):
             for t in seq:
                 if not 0 <= t < self.vocab_size:
                     raise InvalidTokenError(
