@@ -25,6 +25,25 @@ ENCODER = dict(hidden_size=64, num_attention_heads=4, intermediate_size=96, num_
 DECODER = dict(
     ENCODER, num_key_value_heads=2, head_dim=24, vocab_size=49152, max_position_embeddings=256, pad_token_id=0
 )
+# Gemma-style: hidden 56 (not a multiple of 64), head_dim 24, grouped-query attention, a query scaling of its own.
+GEMMA = dict(
+    hidden_size=56,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=24,
+    intermediate_size=92,
+    num_hidden_layers=4,
+    vocab_size=49152,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    query_pre_attn_scalar=20,
+)
+# EmbeddingGemma's prompts (config_sentence_transformers.json), a few of them.
+EMBEDDINGGEMMA_PROMPTS = {
+    "query": "task: search result | query: ",
+    "document": "title: none | text: ",
+    "Clustering": "task: clustering | query: ",
+}
 QWEN3_PROMPTS = {
     "query": "Instruct: Given a web search query, retrieve relevant passages\nQuery: ",
     "document": "",
@@ -123,6 +142,71 @@ CASES = [
         tokenizer="bpe",
         reference_config={"is_causal": False},  # the same weights, bidirectional in transformers
     ),
+    Tiny(
+        "distilbert",  # msmarco-distilbert style: mean pooling
+        "DistilBertForMaskedLM",
+        lambda: T.DistilBertConfig(
+            dim=56, n_heads=4, hidden_dim=92, n_layers=3, vocab_size=30522, max_position_embeddings=160
+        ),
+        tokenizer="wordpiece",
+        pooling="mean",
+        max_seq_length=150,
+    ),
+    Tiny(
+        "camembert",  # a RoBERTa under another name: mapped to the RoBERTa implementation
+        "CamembertForMaskedLM",
+        lambda: T.CamembertConfig(
+            **{**ENCODER, "hidden_size": 56},
+            vocab_size=49152,
+            pad_token_id=5,
+            max_position_embeddings=200,
+            type_vocab_size=1,
+        ),
+        tokenizer="bpe-template",
+        pooling="mean",
+        max_seq_length=180,
+    ),
+    Tiny(
+        "mpnet",  # all-mpnet-base-v2 style: mean pooling, normalized; texts longer than the 128 max distance
+        "MPNetForMaskedLM",
+        lambda: T.MPNetConfig(
+            **{**ENCODER, "hidden_size": 56}, vocab_size=30522, max_position_embeddings=300, pad_token_id=0
+        ),
+        tokenizer="wordpiece",
+        pooling="mean",
+        normalize=True,
+        max_seq_length=280,
+        # At N(0, 0.08) the bias hides among the scores (dropping it still gave cosine 0.99984).
+        weight_scale={"relative_attention_bias": 25.0},
+    ),
+    Tiny(
+        "gemma2",  # causal, soft-capped logits, local layers of 16; no sentence-transformers files
+        "Gemma2ForCausalLM",
+        lambda: T.Gemma2Config(**GEMMA, rope_theta=30000.0, sliding_window=16, attn_logit_softcapping=3.0),
+        tokenizer="bpe",
+        norm_mean=0.0,
+    ),
+    Tiny(
+        "embeddinggemma",  # EmbeddingGemma's layout: bidirectional Gemma 3, mean, two Dense, Normalize, prompts
+        "Gemma3TextModel",
+        lambda: T.Gemma3TextConfig(
+            **GEMMA,
+            sliding_window=20,  # bidirectional: keys within 10 positions either side
+            use_bidirectional_attention=True,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 3000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 200000.0},
+            },
+        ),
+        tokenizer="bpe",
+        pooling="mean",
+        normalize=True,
+        max_seq_length=200,
+        prompts=EMBEDDINGGEMMA_PROMPTS,
+        dense=((96, False), (40, False)),
+        norm_mean=0.0,
+    ),
 ]
 
 
@@ -212,7 +296,7 @@ def test_prompts_match_reference(served):
 
 
 def test_dimension_and_norm(served):
-    hidden = served.tiny.config().hidden_size
+    hidden = served.tiny.dense[-1][0] if served.tiny.dense else served.tiny.config().hidden_size
     assert served.ours.shape == (len(served.texts), hidden)
     assert served.info["dimension"] == hidden
     # Not one feature is zero across every text (the symptom of a mis-strided or half-filled vector).

@@ -48,16 +48,20 @@ def texts() -> list[str]:
     return read_corpus("queries.jsonl", 22) + read_corpus("passages.jsonl", 22) + EDGE_TEXTS
 
 
-def randomize(model: torch.nn.Module, seed: int = 0) -> None:
-    """2-D weights ~ N(0, STD); biases ~ N(0, STD); 1-D scales ~ 1 + N(0, 0.1)."""
+def randomize(
+    model: torch.nn.Module, seed: int = 0, scale: dict[str, float] | None = None, norm_mean: float = 1.0
+) -> None:
+    """2-D weights ~ N(0, STD); biases ~ N(0, STD); 1-D scales ~ norm_mean + N(0, 0.1). `scale` multiplies
+    the draws of parameters whose name contains a key (a table that would otherwise hide among the scores)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
+            factor = next((f for key, f in (scale or {}).items() if key in name), 1.0)
             if p.dim() >= 2 or name.endswith("bias"):
-                p.copy_(noise * STD)
+                p.copy_(noise * STD * factor)
             else:
-                p.copy_(1 + noise * 0.1)
+                p.copy_(norm_mean + noise * 0.1 * factor)
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,15 @@ class Tiny:
     """Config overrides for the transformers reference (e.g. is_causal=False)."""
     default_pooling: str = "last"
     """For folders without sentence-transformers files: the documented default the server applies."""
+    weight_scale: dict[str, float] = field(default_factory=dict)
+    """Parameter-name fragment -> factor on its random draw (see randomize)."""
+    norm_mean: float = 1.0
+    """The centre of the random norm scales as stored: 0 for Gemma, whose checkpoints store scale - 1 (at 1
+    every norm of a Gemma would double its input, and the tiny model would be far more fragile than a real
+    one: bf16 weight rounding alone moved its vectors to cosine 0.9990)."""
+    dense: tuple[tuple[int, bool], ...] = ()
+    """sentence-transformers Dense modules after pooling (EmbeddingGemma's layout): (out_features, bias),
+    identity activation, random weights."""
 
 
 def load_tokenizer(kind: str, sources: dict[str, Path]):
@@ -103,7 +116,7 @@ def build(tiny: Tiny, path: Path, sources: dict[str, Path]) -> Path:
 
     torch.manual_seed(0)
     model = getattr(transformers, tiny.model_class)(tiny.config()).eval()
-    randomize(model)
+    randomize(model, scale=tiny.weight_scale, norm_mean=tiny.norm_mean)
     model.save_pretrained(str(path))
     tok = load_tokenizer(tiny.tokenizer, sources)
     # Embedding models are fed plain text. sentence-transformers 6 renders every text through the
@@ -115,12 +128,18 @@ def build(tiny: Tiny, path: Path, sources: dict[str, Path]) -> Path:
     tok.save_pretrained(str(path))
     if tiny.pooling is not None:
         from sentence_transformers import SentenceTransformer
-        from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+        from sentence_transformers.sentence_transformer.modules import Dense, Normalize, Pooling, Transformer
 
         modules: list[Any] = [
             Transformer(str(path), max_seq_length=tiny.max_seq_length),
             Pooling(model.config.hidden_size, tiny.pooling),
         ]
+        width = model.config.hidden_size
+        for out_features, bias in tiny.dense:
+            dense = Dense(width, out_features, bias=bias, activation_function=torch.nn.Identity())
+            randomize(dense, seed=len(modules))
+            modules.append(dense)
+            width = out_features
         if tiny.normalize:
             modules.append(Normalize())
         SentenceTransformer(

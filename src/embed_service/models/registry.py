@@ -25,8 +25,23 @@ class Family:
     default_normalize: bool
     positions_after_padding: bool = False
     """RoBERTa style: position 0 sits at padding index + 1 in the position table."""
+    fixed_position_offset: int | None = None
+    """Where position 0 sits whatever the config says (MPNet: after its padding index 1, hard-coded)."""
+    config_aliases: tuple[tuple[str, str], ...] = ()
+    """(standard key, this family's key) pairs: configs that name their sizes their own way (DistilBERT's
+    ``dim``, ``n_heads``) are read under the standard names everywhere else."""
+
+    def standard_config(self, config: dict) -> dict:
+        """The config with the standard keys filled in from this family's own names, where absent."""
+        out = dict(config)
+        for standard, own in self.config_aliases:
+            if standard not in out and own in out:
+                out[standard] = out[own]
+        return out
 
     def position_offset(self, config: dict) -> int:
+        if self.fixed_position_offset is not None:
+            return self.fixed_position_offset
         if not self.positions_after_padding:
             return 0
         pad = config.get("pad_token_id", 1)  # RoBERTa's default
@@ -62,6 +77,30 @@ def _decoder(cls: str) -> Family:
 
 _LLAMA, _MISTRAL = _decoder("LlamaModel"), _decoder("MistralModel")
 _QWEN2, _QWEN3 = _decoder("Qwen2Model"), _decoder("Qwen3Model")
+_DISTILBERT = Family(
+    "distilbert",
+    "DistilBertModel",
+    causal=False,
+    default_pooling="cls",
+    default_normalize=False,
+    config_aliases=(
+        ("hidden_size", "dim"),
+        ("num_attention_heads", "n_heads"),
+        ("num_hidden_layers", "n_layers"),
+        ("intermediate_size", "hidden_dim"),
+    ),
+)
+# transformers' MPNet numbers positions from its padding index (1, not read from the config) + 1.
+_MPNET = Family(
+    "mpnet",
+    "MPNetModel",
+    causal=False,
+    default_pooling="cls",
+    default_normalize=False,
+    fixed_position_offset=2,
+)
+_GEMMA2 = Family("gemma", "Gemma2Model", causal=True, default_pooling="last", default_normalize=True)
+_GEMMA3 = Family("gemma", "Gemma3TextModel", causal=True, default_pooling="last", default_normalize=True)
 
 ARCHITECTURES: dict[str, Family] = {
     "BertModel": _BERT,
@@ -81,7 +120,26 @@ ARCHITECTURES: dict[str, Family] = {
     "Qwen2ForCausalLM": _QWEN2,
     "Qwen3Model": _QWEN3,
     "Qwen3ForCausalLM": _QWEN3,
+    # Cross-encoders and sequence classifiers: the same backbones, and a scoring head (models/scoring.py).
+    "BertForSequenceClassification": _BERT,
+    "RobertaForSequenceClassification": _ROBERTA,
+    "XLMRobertaForSequenceClassification": _ROBERTA,
+    "ModernBertForSequenceClassification": _MODERNBERT,
+    # RoBERTa under other names: the same layers and checkpoint layout (prefix "roberta.").
+    "CamembertModel": _ROBERTA,
+    "CamembertForMaskedLM": _ROBERTA,
+    "DistilBertModel": _DISTILBERT,
+    "DistilBertForMaskedLM": _DISTILBERT,
+    "MPNetModel": _MPNET,
+    "MPNetForMaskedLM": _MPNET,
+    "Gemma2Model": _GEMMA2,
+    "Gemma2ForCausalLM": _GEMMA2,
+    "Gemma3TextModel": _GEMMA3,
+    "Gemma3ForCausalLM": _GEMMA3,
 }
+
+# The scoring head of each family's *ForSequenceClassification checkpoints (models/scoring.py SCORERS).
+SCORING_HEADS = {"BertModel": "bert", "RobertaModel": "roberta", "ModernBertModel": "modernbert"}
 
 # For configs without an `architectures` list.
 MODEL_TYPES: dict[str, Family] = {
@@ -93,6 +151,11 @@ MODEL_TYPES: dict[str, Family] = {
     "mistral": _MISTRAL,
     "qwen2": _QWEN2,
     "qwen3": _QWEN3,
+    "camembert": _ROBERTA,
+    "distilbert": _DISTILBERT,
+    "mpnet": _MPNET,
+    "gemma2": _GEMMA2,
+    "gemma3_text": _GEMMA3,
 }
 
 
