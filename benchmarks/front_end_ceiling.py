@@ -10,6 +10,10 @@ the cores the server's HTTP process(es) kept busy, and inputs/s per busy core; t
 
     python benchmarks/front_end_ceiling.py --corpus ../shared/bench/corpus/passages.jsonl
 
+`--http-processes 1,2` serves each count (`serve --http-processes N`) at once, on ports of their own, and
+interleaves their rounds, so that both see the same machine; "cores" is then the CPU of every process that
+listens on the port (the engine process and its front ends; the workers are not counted).
+
 Read the per-core figures: on a machine shared with other work, the cores the load gets vary, and the
 load client (wrk) takes a share of them too.
 """
@@ -17,6 +21,7 @@ load client (wrk) takes a share of them too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -26,7 +31,8 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from http_cpu import Load, load, served  # noqa: E402
+import psutil  # noqa: E402
+from http_cpu import Load, Served, load, served  # noqa: E402
 
 # (name, content tokens per input, inputs per request, requests in flight)
 SHAPES = [
@@ -54,6 +60,19 @@ def cut_texts(tokenizer: Tokenizer, corpus: list[str], tokens: int, count: int) 
     return out
 
 
+def listening(target: Served, port: int) -> list[psutil.Process]:
+    """The server's processes that hold its listening socket: the HTTP process(es), not the workers."""
+    root = target.processes[0]
+    out = []
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in p.net_connections("tcp")):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out or [root]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -67,6 +86,9 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(str(i) for i in range(len(SHAPES))), help="indices")
     parser.add_argument("--server-flags", default="", help="extra `serve` flags, one string")
     parser.add_argument("--json", dest="json_path", help="also write the figures to this file")
+    parser.add_argument(
+        "--http-processes", default="1", help="`serve --http-processes` counts to compare, e.g. 1,2"
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(Path(args.src).resolve()))
     from embed_service.server import default_model_path
@@ -78,7 +100,8 @@ def main() -> None:
     shapes = [SHAPES[int(i)] for i in args.shapes.split(",")]
     # The default model stops at 256 tokens; its position table holds 512.
     extra = ["--max-input-length", "512", *args.server_flags.split()]
-    runs: dict[str, list[Load]] = {name: [] for name, *_ in shapes}
+    counts = [int(n) for n in args.http_processes.split(",")]
+    runs: dict[tuple[str, int], list[Load]] = {(name, n): [] for name, *_ in shapes for n in counts}
     with tempfile.TemporaryDirectory() as tmp:
         files = {}
         for _name, tokens, _, _ in shapes:
@@ -87,17 +110,27 @@ def main() -> None:
                 texts = cut_texts(tokenizer, corpus, tokens, args.texts)
                 path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
                 files[tokens] = str(path)
-        with served(args.src, args.port, extra, null_model=True) as target:
+        with contextlib.ExitStack() as stack:
+            targets = {}
+            for i, n in enumerate(counts):
+                port = args.port + i
+                flags = [*extra, "--http-processes", str(n)]
+                targets[n] = stack.enter_context(served(args.src, port, flags, null_model=True))
+                targets[n].processes = listening(targets[n], port)
             for _ in range(args.rounds):
                 for name, tokens, per_request, concurrency in shapes:
-                    runs[name].append(load(target, files[tokens], per_request, concurrency, args.duration))
+                    for n in counts:
+                        run = load(targets[n], files[tokens], per_request, concurrency, args.duration)
+                        runs[name, n].append(run)
     rows = []
     print(
-        f"{'shape':24s} {'requests/s':>10s} {'inputs/s':>9s} {'tokens/s':>10s} {'cores':>6s} {'inputs/s/core':>13s}"
+        f"{'shape':24s} {'http':>4s} {'requests/s':>10s} {'inputs/s':>9s} {'tokens/s':>10s} {'cores':>6s} "
+        f"{'inputs/s/core':>13s}"
     )
-    for name, values in runs.items():
+    for (name, n), values in runs.items():
         row = {
             "shape": name,
+            "http_processes": n,
             "requests_per_s": statistics.median(v.requests_per_s for v in values),
             "inputs_per_s": statistics.median(v.texts_per_s for v in values),
             "tokens_per_s": statistics.median(v.tokens_per_s for v in values),
@@ -107,7 +140,7 @@ def main() -> None:
         }
         rows.append(row)
         print(
-            f"{name:24s} {row['requests_per_s']:10,.0f} {row['inputs_per_s']:9,.0f} {row['tokens_per_s']:10,.0f} "
+            f"{name:24s} {n:4d} {row['requests_per_s']:10,.0f} {row['inputs_per_s']:9,.0f} {row['tokens_per_s']:10,.0f} "
             f"{row['cores']:6.2f} {row['inputs_per_s_per_core']:13,.0f}"
         )
     if args.json_path:

@@ -96,6 +96,12 @@ class ServerSettings(BaseSettings):
     """Open client connections; a request on a connection past it gets 503 with ``Retry-After`` and the
     connection is closed. Lowered at start-up to what the open-file limit allows (with a warning)."""
 
+    http_processes: int = 1
+    """HTTP front-end processes. 1: one process does HTTP and runs the engines. N > 1: N processes share the
+    port and do HTTP, auth, validation and response encoding; they pass each request's inputs to the one
+    process that runs the engines (tokenization, admission, batching, workers, metrics) over a local
+    socket. For a fast accelerator that one HTTP process cannot keep busy (docs/performance.md)."""
+
     @field_validator("otlp_endpoint")
     @classmethod
     def _otlp_url(cls, v: str | None) -> str | None:
@@ -118,6 +124,11 @@ class ServerSettings(BaseSettings):
         if not v > 0:  # NaN too
             raise ValueError("must be positive")
         return v
+
+    @field_validator("http_processes")
+    @classmethod
+    def _some_processes(cls, v: int) -> int:
+        return _check_positive(v)
 
     @field_validator("max_request_bytes")
     @classmethod

@@ -27,7 +27,7 @@ import uvicorn
 from embed_service import observability
 from embed_service.api.app import create_app
 from embed_service.api.http_limits import uvicorn_options
-from embed_service.config import DEFAULT_MODEL_NAME, ServeConfig, Settings
+from embed_service.config import DEFAULT_MODEL_NAME, ServeConfig, ServerSettings, Settings
 from embed_service.engine.engine import Engine, model_request
 from embed_service.model_source import ModelSourceError, resolve_model
 from embed_service.models.checkpoint import check_model_files
@@ -195,6 +195,19 @@ class DrainingServer(uvicorn.Server):
         asyncio.get_event_loop().call_later(FATAL_EXIT_DELAY_S, setattr, self, "should_exit", True)
 
 
+def uvicorn_config(app, settings: ServerSettings) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=int(settings.drain_timeout) + 5,
+        **uvicorn_options(settings),
+    )
+
+
 def serve(config: ServeConfig | Settings) -> int:
     """Serve one model (a ``Settings``) or several (a ``ServeConfig``) until SIGTERM; the exit status."""
     if isinstance(config, Settings):
@@ -205,18 +218,12 @@ def serve(config: ServeConfig | Settings) -> int:
     observability.configure(settings.log_level, settings.log_format, settings.otlp_endpoint)
     sock = bind_socket(settings.host, settings.port)
     engines, plan = build_engines(config)
+    if settings.http_processes > 1:  # the engines here, HTTP in processes of its own (frontends.py)
+        from embed_service.frontends import serve_frontends
+
+        return serve_frontends(settings, sock, engines, plan)
     app = create_app(settings, engines, plan)
-    uvicorn_config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        log_config=None,
-        access_log=False,
-        timeout_graceful_shutdown=int(settings.drain_timeout) + 5,
-        **uvicorn_options(settings),
-    )
-    server = DrainingServer(uvicorn_config, app.state.server, settings.drain_timeout)
+    server = DrainingServer(uvicorn_config(app, settings), app.state.server, settings.drain_timeout)
     app.state.server.on_fatal.append(server.fatal)
     server.run(sockets=[sock])
     return server.exit_code

@@ -346,5 +346,7 @@ async def health(request: Request) -> Response:
     response_class=PlainTextResponse,
     responses={200: {"description": "Prometheus text format", "content": {"text/plain": {}}}},
 )
-async def prometheus() -> Response:
-    return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
+async def prometheus(request: Request) -> Response:
+    remote = server(request).metrics_text
+    text = await remote() if remote else generate_latest(metrics.REGISTRY)
+    return Response(text, media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,177 @@
+"""`--http-processes 2`: two HTTP processes in front of one engine process answer as one process does (the
+same vectors, bit for bit; errors in the same shape), count every request in /metrics, and all stop on
+SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server import ServerProcess
+
+FLAGS = ("--dtype", "float32", "--data-parallel-size", "1")
+TEXTS = [
+    "a short one",
+    "Two HTTP processes share the port; one process runs the model.",
+    "ünïcödé ✓",
+    "x" * 300,
+]
+
+
+def descendants(pid: int) -> set[int]:
+    """Every living process below `pid` (the front ends, the engine's workers), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.fixture(scope="module")
+def servers():
+    one = ServerProcess(*FLAGS)
+    two = ServerProcess(*FLAGS, "--http-processes", "2")
+    try:
+        yield one.wait_healthy(), two.wait_healthy()
+    finally:
+        one.stop()
+        two.stop()
+
+
+def embed(url: str, texts: list[str], **extra) -> httpx.Response:
+    return httpx.post(url + "/v1/embeddings", json={"input": texts, **extra}, timeout=60)
+
+
+def vectors(response: httpx.Response) -> np.ndarray:
+    assert response.status_code == 200, response.text
+    return np.array([d["embedding"] for d in response.json()["data"]], dtype=np.float32)
+
+
+def test_vectors_equal_the_one_process_servers_bit_for_bit(servers):
+    one, two = servers
+    for extra in ({}, {"dimensions": 128}, {"encoding_format": "base64"}):
+        a, b = embed(one.url, TEXTS, **extra), embed(two.url, TEXTS, **extra)
+        assert a.status_code == b.status_code == 200
+        assert a.json()["data"] == b.json()["data"]  # the same floats (or base64 bytes): bit for bit
+        assert a.json()["usage"] == b.json()["usage"]
+
+
+def test_concurrent_clients_are_all_answered(servers):
+    one, two = servers
+    reference = {t: vectors(embed(one.url, [t]))[0] for t in TEXTS}
+    jobs = [TEXTS[i % len(TEXTS)] for i in range(48)]
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda t: embed(two.url, [t]), jobs))
+    for text, answer in zip(jobs, answers):
+        # batched with others: the same vector to float32 rounding (batch composition may change the sums)
+        np.testing.assert_allclose(vectors(answer)[0], reference[text], atol=1e-5)
+
+
+def test_errors_come_in_the_same_shape(servers):
+    one, two = servers
+    for body in ({"input": []}, {"input": "x", "model": "no-such-model"}, {"input": "x", "dimensions": 0}):
+        a = httpx.post(one.url + "/v1/embeddings", json=body, timeout=30)
+        b = httpx.post(two.url + "/v1/embeddings", json=body, timeout=30)
+        assert a.status_code == b.status_code and a.status_code in (400, 404, 422)
+        assert a.json() == b.json()
+        assert set(b.json()["error"]) == {"message", "type", "param", "code"}
+    assert {httpx.get(s.url + "/health").json()["status"] for s in servers} == {"ok"}
+    info = httpx.get(two.url + "/info").json()
+    assert info["model"] == httpx.get(one.url + "/info").json()["model"]
+
+
+def requests_counted(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "embed_requests":
+            for s in family.samples:
+                if s.name == "embed_requests_total":
+                    counts[s.labels["status"]] = counts.get(s.labels["status"], 0) + s.value
+        if family.name == "embed_input_tokens":  # the engine's own series are there too
+            counts["tokens"] = sum(s.value for s in family.samples if s.name == "embed_input_tokens_total")
+    return counts
+
+
+def test_metrics_count_every_request_and_the_engines_series(servers):
+    deltas = []
+    for server in servers:  # the same traffic: the same counts as one process (its scrapes counted too)
+        before = requests_counted(server.url)
+        with ThreadPoolExecutor(8) as pool:  # spread over both front ends
+            codes = list(pool.map(lambda i, s=server: embed(s.url, [f"text {i}"]).status_code, range(20)))
+        codes.append(embed(server.url, []).status_code)
+        after = requests_counted(server.url)
+        assert codes.count(200) == 20 and codes[-1] == 400
+        assert after["tokens"] > before.get("tokens", 0)
+        deltas.append(
+            {k: v - before.get(k, 0) for k, v in after.items() if k != "tokens" and v != before.get(k)}
+        )
+    assert deltas[0] == deltas[1]
+    assert deltas[1]["200"] >= 20 and deltas[1]["400"] == 1
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_disconnect_cancels_and_sigterm_stops_every_process():
+    # One sequence per batch: a 200-input request takes many batches, so most are still queued at the cut.
+    server = ServerProcess(*FLAGS, "--http-processes", "2", "--max-batch-requests", "1").wait_healthy()
+    below = descendants(server.proc.pid)
+    assert len(below) >= 3, below  # two front ends and a worker at least
+    body = json.dumps({"input": ["a queued input that should never run " * 8] * 200}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(
+        b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    deadline = time.monotonic() + 30
+    while metric(server.url, "embed_batch_size_count") < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sock.close()  # the client goes away with most of its inputs still queued
+    while metric(server.url, "embed_queue_size") > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(server.url, "embed_queue_size") == 0
+    assert metric(server.url, "embed_batch_size_sum") < 100  # the engine process dropped the rest
+    with ThreadPoolExecutor(4) as pool:  # in flight while SIGTERM comes: answered, not dropped
+        pending = [pool.submit(embed, server.url, TEXTS) for _ in range(4)]
+        time.sleep(0.2)
+        assert server.stop(signal.SIGTERM) == 0, server.output()
+        statuses = [p.result().status_code for p in pending]
+    assert all(code in (200, 503) for code in statuses), statuses
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in below) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in below if alive(p)], server.output()
