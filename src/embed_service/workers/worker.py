@@ -278,9 +278,7 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
             out = run_splitting(ids, lengths, requests)
         except BatchOutOfMemory as exc:  # the batch fails; the worker (and every rank) serves on
             if rank == 0:
-                conn.send(
-                    ("error", f"{exc}: the device has no memory for it (try a smaller --max-batch-tokens)")
-                )
+                conn.send(("oom", f"{exc}: the device has no memory for it, even one sequence at a time"))
             continue
         except Exception as exc:
             if cfg.world_size > 1 or is_fatal(exc):
