@@ -767,7 +767,10 @@ class Engine:
             "served_model_names": self.served_names,
             "model_path": str(self.spec.path),
             "architecture": self.spec.architecture,
-            "pooling": self.spec.pooling,
+            # A SPLADE model pools its MLM logits (SpladePooling), not its hidden states.
+            "pooling": self.spec.pooling
+            if self.spec.splade is None
+            else f"splade_{self.spec.splade.pooling_strategy}",
             "outputs": [k for k in KINDS if k in self.spec.outputs],
             "normalize": self.spec.normalize,
             "dimension": self.spec.dimension,
