@@ -21,6 +21,8 @@ WORKDIR /src
 COPY scripts/install.sh scripts/install.sh
 COPY pyproject.toml README.md LICENSE ./
 COPY src src
+# src/embed_service/kernels links to kernels/ (the Triton kernels, installed as embed_service.kernels).
+COPY kernels kernels
 ARG TORCH_SPEC=""
 # The pip cache is a build cache mount: rebuilds after a source change reuse the torch wheel, and it never
 # lands in a layer.
@@ -93,6 +95,8 @@ WORKDIR /src
 COPY scripts/install.sh scripts/install.sh
 COPY pyproject.toml README.md LICENSE ./
 COPY src src
+# src/embed_service/kernels links to kernels/ (the Triton kernels, installed as embed_service.kernels).
+COPY kernels kernels
 ARG CUDA_TORCH_SPEC=torch
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 RUN --mount=type=cache,target=/root/.cache/pip \

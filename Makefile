@@ -27,9 +27,9 @@ serve: $(VENV)/.installed
 	$(BIN)/embed-service serve $(ARGS)
 
 lint: $(VENV)/.installed-dev
-	$(BIN)/ruff check src tests benchmarks scripts
-	$(BIN)/ruff format --check src tests benchmarks scripts
-	$(BIN)/shellcheck scripts/install.sh .ci/run
+	$(BIN)/ruff check src tests benchmarks scripts kernels
+	$(BIN)/ruff format --check src tests benchmarks scripts kernels
+	$(BIN)/shellcheck scripts/install.sh .ci/run benchmarks/gpu_check.sh
 
 typecheck: $(VENV)/.installed-dev
 	$(BIN)/mypy src/embed_service/api src/embed_service/engine src/embed_service/batching src/embed_service/config.py src/embed_service/observability.py

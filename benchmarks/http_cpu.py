@@ -5,13 +5,18 @@ Starts `python -m embed_service serve` from each tree in turn (rounds interleave
 (its workers excluded) by the requests answered. CPU per request is steadier than throughput on a shared
 machine. Example, this tree against an older commit checked out with `git worktree add /tmp/old <rev>`:
 
-    python benchmarks/http_cpu.py --tree old=/tmp/old/src --tree new=src \
+    python benchmarks/http_cpu.py --tree old=/tmp/old/src --tree new=src \\
         --corpus ../shared/bench/corpus/queries.jsonl
+
+`--null-model` runs the workers without a model (workers/null_model.py): the HTTP process is then what
+limits the server, its figure depends less on how fast the workers are (which moves with whatever else the
+machine runs), and the texts/s printed is the front end's ceiling.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -19,67 +24,112 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import psutil
 
 
-def measure(src: str, args: argparse.Namespace, extra: list[str]) -> tuple[float, float]:
-    """(microseconds of server CPU per request, texts/s) for one run of one tree."""
+@dataclass(frozen=True)
+class Load:
+    """One load run's figures; `cores`: the CPU seconds of the server processes per second of load."""
+
+    us_per_request: float
+    requests_per_s: float
+    texts_per_s: float
+    tokens_per_s: float
+    cores: float
+
+
+@dataclass
+class Served:
+    url: str
+    processes: list[psutil.Process]  # whose CPU time is the server's (the HTTP processes, not workers)
+
+    def cpu(self) -> float:
+        return sum(t.user + t.system for t in (p.cpu_times() for p in self.processes))
+
+
+@contextlib.contextmanager
+def served(src: str, port: int, extra: list[str], null_model: bool) -> Iterator[Served]:
+    """A server from source tree `src` on `port`, healthy, stopped on exit."""
     env = {**os.environ, "PYTHONPATH": str(Path(src).resolve())}
+    if null_model:
+        env["EMBED_NULL_MODEL"] = "1"
     with tempfile.NamedTemporaryFile("w", suffix=".log") as log:
         server = subprocess.Popen(
-            [sys.executable, "-m", "embed_service", "serve", "--port", str(args.port), *extra],
+            [sys.executable, "-m", "embed_service", "serve", "--port", str(port), *extra],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
         )
         try:
-            url = f"http://127.0.0.1:{args.port}"
-            deadline = time.monotonic() + 180
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 300
             while time.monotonic() < deadline:
                 try:
                     if httpx.get(url + "/health", timeout=2).status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass
+                if server.poll() is not None:
+                    raise SystemExit(f"{src}: the server exited ({server.returncode}); see its log")
                 time.sleep(0.3)
             else:
                 raise SystemExit(f"{src}: the server did not become healthy")
-            proc = psutil.Process(server.pid)
-            before = proc.cpu_times()
-            with tempfile.NamedTemporaryFile(suffix=".json") as out:
-                subprocess.run(
-                    [
-                        sys.executable,
-                        "-m",
-                        "embed_service",
-                        "bench",
-                        "--url",
-                        url,
-                        "--corpus",
-                        args.corpus,
-                        "--inputs-per-request",
-                        str(args.inputs_per_request),
-                        "--concurrency",
-                        str(args.concurrency),
-                        "--duration",
-                        str(args.duration),
-                        "--no-ceiling",
-                        "--json",
-                        out.name,
-                    ],
-                    check=False,
-                    capture_output=True,
-                )
-                report = json.loads(Path(out.name).read_text())
-            after = proc.cpu_times()
+            yield Served(url, [psutil.Process(server.pid)])
         finally:
             server.terminate()
             server.wait(60)
-    cpu = (after.user + after.system) - (before.user + before.system)
-    return cpu / max(1, report["requests"]) * 1e6, report["texts_per_s"]
+
+
+def load(
+    target: Served, corpus: str, inputs_per_request: int, concurrency: int, duration: float, texts: int = 1000
+) -> Load:
+    """Drive the server with `embed-service bench` and divide its CPU time by the requests answered."""
+    before = target.cpu()
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "embed_service",
+                "bench",
+                "--url",
+                target.url,
+                "--corpus",
+                corpus,
+                "--texts",
+                str(texts),
+                "--inputs-per-request",
+                str(inputs_per_request),
+                "--concurrency",
+                str(concurrency),
+                "--duration",
+                str(duration),
+                "--no-ceiling",
+                "--json",
+                out.name,
+            ],
+            check=False,
+            capture_output=True,
+        )
+        text = Path(out.name).read_text()
+        if not text:
+            raise SystemExit(f"embed-service bench failed:\n{run.stdout.decode()}{run.stderr.decode()}")
+        report = json.loads(text)
+    cpu = target.cpu() - before
+    if report["errors"]:
+        raise SystemExit(f"{report['errors']} requests failed")
+    return Load(
+        cpu / max(1, report["requests"]) * 1e6,
+        report["requests_per_s"],
+        report["texts_per_s"],
+        report["tokens_per_s"] or 0.0,
+        cpu / report["seconds"],
+    )
 
 
 def main() -> None:
@@ -93,20 +143,31 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--inputs-per-request", type=int, default=1)
     parser.add_argument("--port", type=int, default=8126)
+    parser.add_argument(
+        "--null-model", action="store_true", help="workers without a model (EMBED_NULL_MODEL)"
+    )
     args = parser.parse_args()
     trees = []
     for spec in args.tree:
         name, _, rest = spec.partition("=")
         src, _, flags = rest.partition(":")
         trees.append((name, src, flags.split()))
-    runs: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in trees}
+    runs: dict[str, list[Load]] = {name: [] for name, _, _ in trees}
     for _ in range(args.rounds):
         for name, src, extra in trees:
-            runs[name].append(measure(src, args, extra))
+            with served(src, args.port, extra, args.null_model) as target:
+                runs[name].append(
+                    load(target, args.corpus, args.inputs_per_request, args.concurrency, args.duration)
+                )
     for name, values in runs.items():
-        us = statistics.median(v[0] for v in values)
-        tps = statistics.median(v[1] for v in values)
-        print(f"{name:12s} {us:7.0f} us CPU per request (median of {len(values)}), {tps:7.1f} texts/s")
+        us = statistics.median(v.us_per_request for v in values)
+        tps = statistics.median(v.texts_per_s for v in values)
+        cores = statistics.median(v.cores for v in values)
+        each = " ".join(f"{v.us_per_request:.0f}" for v in values)
+        print(
+            f"{name:12s} {us:7.0f} us CPU per request (median of {len(values)}: {each}), "
+            f"{tps:7.1f} texts/s, {cores:.2f} cores busy"
+        )
 
 
 if __name__ == "__main__":

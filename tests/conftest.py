@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+import tests.triton_interpreter  # noqa: F401  (before any test module imports triton: see the module)
 from tests.server import ServerProcess, kill_all_servers
 
 

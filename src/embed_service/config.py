@@ -1,10 +1,17 @@
-"""Settings: one pydantic-settings class, every field a CLI flag and an ``EMBED_*`` variable."""
+"""Settings, in two parts: the server's (address, keys, HTTP limits, logging) and each model's (what it is, where
+it runs, its batch budgets and limits). ``Settings`` is both together: the one-model configuration, every field
+a CLI flag and an ``EMBED_*`` variable. Several models: ``ServeConfig`` holds the server's settings and one
+``Settings`` per model (the server's settings with that model's), built by the command line from repeated
+``--model`` flags or a ``--config`` file (read here)."""
 
 from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, Literal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -12,22 +19,28 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
 
 
-class Settings(BaseSettings):
-    """Everything the server can be told. Flags win over ``EMBED_*`` variables, which win over defaults."""
+def _check_positive(v: Any) -> Any:
+    if v is not None and v < 1:
+        raise ValueError("must be at least 1")
+    return v
+
+
+def _check_not_negative(v: Any) -> Any:
+    if v < 0:
+        raise ValueError("must be 0 or more")
+    return v
+
+
+class ServerSettings(BaseSettings):
+    """The server's own settings, shared by every model it serves: the address, the keys, the HTTP limits,
+    logging, tracing and draining."""
 
     model_config = SettingsConfigDict(env_prefix="EMBED_", use_attribute_docstrings=True, extra="ignore")
 
-    model: str | None = None
-    """A model directory (Hugging Face / sentence-transformers layout), a Hugging Face cache folder
-    (models--org--name) or a Hugging Face repo id (org/name: taken from the local Hugging Face cache, else
-    downloaded unless HF_HUB_OFFLINE is set). Default: the packaged all-MiniLM-L6-v2."""
-
-    revision: str | None = None
-    """Branch, tag or commit of a Hugging Face repo id or cache folder given as the model. Default: main."""
-
-    # NoDecode: the variable reaches the validator as written ("a,b"), not JSON-decoded first.
-    served_model_name: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    """Names the model answers to (repeatable): the first is canonical, the others aliases. Default: the directory's name, or the repo id."""
+    config: str | None = None
+    """A YAML (``.yaml``, ``.yml``) or TOML (``.toml``) file of settings: server settings at the top level and
+    the served models under ``models``, each with its own settings (docs/configuration.md, several models).
+    Flags win over the file, which wins over ``EMBED_*`` variables."""
 
     host: str = "127.0.0.1"
     """Address to listen on."""
@@ -59,6 +72,85 @@ class Settings(BaseSettings):
     """Serve the API description: /openapi.json, Swagger UI at /docs and ReDoc at /redoc, with their assets
     (no CDN), behind the API key when one is set."""
 
+    drain_timeout: float = 30.0
+    """Seconds SIGTERM waits for admitted requests to finish before the server exits anyway."""
+
+    max_request_bytes: int = 8 * 1024 * 1024
+    """Largest request body; larger ones get 413."""
+
+    max_header_bytes: int = 32 * 1024
+    """Largest request head (request line and headers); a larger one gets 431 and the connection is closed."""
+
+    header_timeout: float = 10.0
+    """Seconds to receive a request head, counted from the connection's opening (or, on a kept-alive
+    connection, from the head's first byte); past it the connection is closed (408 when part of a head came)."""
+
+    body_timeout: float = 60.0
+    """Seconds to receive a whole request body once its head is in; past it the request gets 408 and the
+    connection is closed."""
+
+    keep_alive_timeout: float = 5.0
+    """Seconds an idle kept-alive connection stays open between requests."""
+
+    max_connections: int = 1024
+    """Open client connections; a request on a connection past it gets 503 with ``Retry-After`` and the
+    connection is closed. Lowered at start-up to what the open-file limit allows (with a warning)."""
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _otlp_url(cls, v: str | None) -> str | None:
+        if v and not v.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL, e.g. http://otel-collector:4318")
+        return v or None
+
+    @field_validator("port")
+    @classmethod
+    def _port_range(cls, v: int) -> int:
+        if not 0 <= v <= 65535:
+            raise ValueError("port must be in 0..65535")
+        return v
+
+    @field_validator(
+        "max_header_bytes", "header_timeout", "body_timeout", "keep_alive_timeout", "max_connections"
+    )
+    @classmethod
+    def _positive_http_limit(cls, v: float) -> float:
+        if not v > 0:  # NaN too
+            raise ValueError("must be positive")
+        return v
+
+    @field_validator("max_request_bytes")
+    @classmethod
+    def _positive_bytes(cls, v: int) -> int:
+        return _check_positive(v)
+
+    @field_validator("drain_timeout")
+    @classmethod
+    def _seconds(cls, v: float) -> float:
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError("must be a number of seconds, 0 or more")
+        return v
+
+
+class ModelSettings(BaseSettings):
+    """One served model's settings: what it is, the names it answers to, where and how it runs (device,
+    dtype, replicas, tensor-parallel size, threads), its batch budgets and its request limits."""
+
+    model_config = SettingsConfigDict(env_prefix="EMBED_", use_attribute_docstrings=True, extra="ignore")
+
+    model: str | None = None
+    """A model directory (Hugging Face / sentence-transformers layout), a Hugging Face cache folder
+    (models--org--name) or a Hugging Face repo id (org/name: taken from the local Hugging Face cache, else
+    downloaded unless HF_HUB_OFFLINE is set). Default: the packaged all-MiniLM-L6-v2. Repeat it to serve
+    several models: the per-model flags after a --model are that model's."""
+
+    revision: str | None = None
+    """Branch, tag or commit of a Hugging Face repo id or cache folder given as the model. Default: main."""
+
+    # NoDecode: the variable reaches the validator as written ("a,b"), not JSON-decoded first.
+    served_model_name: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Names the model answers to (repeatable): the first is canonical, the others aliases. Default: the directory's name, or the repo id."""
+
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the model runs: ``auto`` picks CUDA when a GPU is visible, else the CPU."""
 
@@ -72,6 +164,14 @@ class Settings(BaseSettings):
 
     auto_truncate: bool = True
     """Cut inputs longer than the max input length (keeping special tokens); when off they get a 400."""
+
+    llm_reranker: bool = False
+    """Serve a causal LM (a *ForCausalLM folder, Qwen3-Reranker style) as a reranker: each (query, document)
+    is scored by the ``yes`` and ``no`` logits at the last token of Qwen3-Reranker's prompt template
+    (docs/models.md). Only /rerank then; off: the folder is served as an embedding model."""
+
+    rerank_instruction: str = "Given a web search query, retrieve relevant passages that answer the query"
+    """The instruction an LLM reranker's prompt gives when a request names none (``instruction``)."""
 
     chunk_long_inputs: bool = False
     """Embed a text longer than the max input length as windows whose vectors are averaged, weighted by
@@ -124,9 +224,6 @@ class Settings(BaseSettings):
     """Bulk sequences that have waited longer than this many seconds go ahead of priority work, in up to
     half of each batch's tokens, so bulk work cannot starve behind a stream of short requests. 0: off."""
 
-    max_request_bytes: int = 8 * 1024 * 1024
-    """Largest request body; larger ones get 413."""
-
     priority_max_tokens: int = 256
     """Requests of at most this many tokens (all inputs together) take the priority lane: every batch takes
     them first, ahead of bulk work. 0: one lane, first come first served."""
@@ -138,18 +235,17 @@ class Settings(BaseSettings):
     behind more than that much work; without interactive traffic, batches of up to 8 times this many."""
 
     data_parallel_size: int | None = None
-    """Model replicas, each its own worker process(es) forming its own batches. Default: 2 on a CPU with two
-    or more cores at tensor-parallel size 1 when two copies of the weights take at most an eighth of the
-    memory (each replica with half the cores as threads), else 1."""
+    """Model replicas, each its own worker process(es) forming its own batches, on its own GPUs. Default: 1,
+    or 2 on a CPU at tensor-parallel size 1 when the model's share of the cores (the cores divided by the
+    models served) is two or more and two copies of the weights take at most an eighth of its share of the
+    memory."""
 
     tensor_parallel_size: int = 1
     """Worker processes the model is sharded over (one per rank)."""
 
     num_threads: int | None = None
-    """Compute threads per worker. Default: the CPU cores divided by (tensor-parallel size x replicas)."""
-
-    drain_timeout: float = 30.0
-    """Seconds SIGTERM waits for admitted requests to finish before the server exits anyway."""
+    """Compute threads per worker. Default: the CPU cores divided between every worker of every model
+    (tensor-parallel size x replicas, summed over the models), as evenly as whole threads allow."""
 
     batch_timeout: float | None = None
     """Seconds one batch may take before its replica is declared hung, killed and restarted (the batch is
@@ -163,23 +259,20 @@ class Settings(BaseSettings):
             raise ValueError("must be more than 0 seconds")
         return v
 
-    max_header_bytes: int = 32 * 1024
-    """Largest request head (request line and headers); a larger one gets 431 and the connection is closed."""
+    fidelity_min_cosine: float = 0.999
+    """At start-up each replica embeds a few fixed inputs as it serves them (dtype, kernels, attention,
+    tensor parallelism) and with a float32 reference pass of the same weights; below this cosine it refuses
+    to become ready, saying why (/info reports the figure). ``0``: no check."""
 
-    header_timeout: float = 10.0
-    """Seconds to receive a request head, counted from the connection's opening (or, on a kept-alive
-    connection, from the head's first byte); past it the connection is closed (408 when part of a head came)."""
+    fidelity_warn_only: bool = False
+    """Serve anyway when the start-up fidelity check fails, with a warning in the log and in /info."""
 
-    body_timeout: float = 60.0
-    """Seconds to receive a whole request body once its head is in; past it the request gets 408 and the
-    connection is closed."""
-
-    keep_alive_timeout: float = 5.0
-    """Seconds an idle kept-alive connection stays open between requests."""
-
-    max_connections: int = 1024
-    """Open client connections; a request on a connection past it gets 503 with ``Retry-After`` and the
-    connection is closed. Lowered at start-up to what the open-file limit allows (with a warning)."""
+    @field_validator("fidelity_min_cosine")
+    @classmethod
+    def _cosine(cls, v: float) -> float:
+        if not 0 <= v <= 1:  # NaN too
+            raise ValueError("must be a cosine between 0 and 1")
+        return v
 
     @field_validator("served_model_name", mode="before")
     @classmethod
@@ -198,35 +291,11 @@ class Settings(BaseSettings):
             raise ValueError(f"names must be distinct: {v}")
         return v
 
-    @field_validator("otlp_endpoint")
-    @classmethod
-    def _otlp_url(cls, v: str | None) -> str | None:
-        if v and not v.startswith(("http://", "https://")):
-            raise ValueError("must be an http:// or https:// URL, e.g. http://otel-collector:4318")
-        return v or None
-
-    @field_validator("port")
-    @classmethod
-    def _port_range(cls, v: int) -> int:
-        if not 0 <= v <= 65535:
-            raise ValueError("port must be in 0..65535")
-        return v
-
-    @field_validator(
-        "max_header_bytes", "header_timeout", "body_timeout", "keep_alive_timeout", "max_connections"
-    )
-    @classmethod
-    def _positive_http_limit(cls, v: float) -> float:
-        if not v > 0:  # NaN too
-            raise ValueError("must be positive")
-        return v
-
     @field_validator(
         "max_batch_tokens",
         "max_batch_requests",
         "max_concurrent_requests",
         "max_client_batch_size",
-        "max_request_bytes",
         "interactive_max_inputs",
         "max_input_chars",
         "max_request_chars",
@@ -239,20 +308,122 @@ class Settings(BaseSettings):
     )
     @classmethod
     def _positive(cls, v: int | None) -> int | None:
-        if v is not None and v < 1:
-            raise ValueError("must be at least 1")
-        return v
+        return _check_positive(v)
 
     @field_validator("priority_max_tokens", "interactive_reserved_inputs", "bulk_aging_s", "chunk_overlap")
     @classmethod
     def _not_negative(cls, v: float) -> float:
-        if v < 0:
-            raise ValueError("must be 0 or more")
-        return v
+        return _check_not_negative(v)
 
-    @field_validator("drain_timeout")
+
+class Settings(ServerSettings, ModelSettings):
+    """Everything the server can be told about itself and one model: ``Settings(model=..., dtype=...)`` is a
+    one-model configuration. Flags win over ``EMBED_*`` variables, which win over defaults."""
+
+    model_config = SettingsConfigDict(env_prefix="EMBED_", use_attribute_docstrings=True, extra="ignore")
+
+
+SERVER_FIELDS = frozenset(ServerSettings.model_fields)
+MODEL_FIELDS = frozenset(ModelSettings.model_fields)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What ``embed-service serve`` runs: the server's settings and, for each served model in order, the
+    server's settings with that model's (the first model answers requests that name none)."""
+
+    server: ServerSettings
+    models: list[Settings]
+
     @classmethod
-    def _seconds(cls, v: float) -> float:
-        if not (math.isfinite(v) and v >= 0):
-            raise ValueError("must be a number of seconds, 0 or more")
-        return v
+    def single(cls, settings: Settings) -> ServeConfig:
+        return cls(settings, [settings])
+
+
+# --- the --config file ----------------------------------------------------------------------------------
+
+
+class ConfigFileError(ValueError):
+    """A config file that cannot be read or names a setting wrongly; the message is one line."""
+
+
+@dataclass
+class ConfigFile:
+    """A config file's settings by layer, keys as field names: the server's, the per-model settings given at
+    the top level (for every model), and each listed model's own."""
+
+    path: Path | None = None  # None: no file
+    server: dict[str, Any] = field(default_factory=dict)
+    shared: dict[str, Any] = field(default_factory=dict)
+    models: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _key(raw: object, path: Path, where: str) -> str:
+    if not isinstance(raw, str):
+        raise ConfigFileError(f"{path}: {where}: setting names are strings, got {raw!r}")
+    return raw.replace("-", "_")  # the flag's spelling (max-batch-tokens) works too
+
+
+def read_config_file(path: str | Path) -> ConfigFile:
+    """Read and sort a YAML or TOML config file (see docs/configuration.md); refuse unknown settings, server
+    settings inside a model entry, and a file that is not a mapping."""
+    file = Path(path)
+    suffix = file.suffix.lower()
+    if suffix not in (".toml", ".yaml", ".yml"):
+        raise ConfigFileError(f"{file}: a config file is .yaml, .yml or .toml, not {suffix or 'no suffix'}")
+    try:
+        text = file.read_bytes()
+    except OSError as exc:
+        raise ConfigFileError(f"{file}: cannot read it: {exc.strerror or exc}") from None
+    data: Any
+    if suffix == ".toml":
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # pragma: no cover
+            import tomli as tomllib
+        try:
+            data = tomllib.loads(text.decode("utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigFileError(f"{file}: not valid TOML: {exc}") from None
+    else:
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:  # its lines say what and where: one line
+            raise ConfigFileError(f"{file}: not valid YAML: {' '.join(str(exc).split())}") from None
+        data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigFileError(f"{file}: the top level must be a mapping of settings")
+    out = ConfigFile(file)
+    for raw, value in data.items():
+        name = _key(raw, file, "top level")
+        if name == "models":
+            continue
+        if name in SERVER_FIELDS - {"config"}:
+            out.server[name] = value
+        elif name in MODEL_FIELDS:
+            out.shared[name] = value
+        else:
+            raise ConfigFileError(f"{file}: unknown setting {raw!r}")
+    models = data.get("models", [])
+    if not isinstance(models, list):
+        raise ConfigFileError(f"{file}: models must be a list of models")
+    for i, entry in enumerate(models):
+        if isinstance(entry, str):  # a bare name: the model with the settings of the top level
+            entry = {"model": entry}
+        if not isinstance(entry, dict):
+            raise ConfigFileError(f"{file}: models[{i}] must be a mapping of settings or a model name")
+        own: dict[str, Any] = {}
+        for raw, value in entry.items():
+            name = _key(raw, file, f"models[{i}]")
+            if name in SERVER_FIELDS:
+                raise ConfigFileError(
+                    f"{file}: models[{i}].{raw} is a server setting, the same for every model: "
+                    "set it at the top level"
+                )
+            if name not in MODEL_FIELDS:
+                raise ConfigFileError(f"{file}: models[{i}]: unknown setting {raw!r}")
+            own[name] = value
+        out.models.append(own)
+    return out

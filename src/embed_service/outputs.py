@@ -19,7 +19,8 @@ import numpy as np
 DENSE = "dense"
 SPARSE = "sparse"
 COLBERT = "colbert"
-KINDS = (DENSE, SPARSE, COLBERT)
+SCORE = "score"
+KINDS = (DENSE, SPARSE, COLBERT, SCORE)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,10 @@ class OutputRequest:
     """The outputs one sequence asks for. Frozen and small: it is pickled to the workers with every batch."""
 
     kinds: frozenset[str] = frozenset({DENSE})
+    second_segment: int = 0
+    """Where the second text of a pair starts (a cross-encoder's query, document): its tokens, to the end,
+    are token type 1; 0: one text, every token type 0. Pairs are [CLS] A [SEP] B [SEP], so one offset is
+    the whole of the token type ids, and it costs nothing to carry."""
 
 
 DENSE_ONLY = OutputRequest()
@@ -46,12 +51,14 @@ class SequenceOutput:
 
     dense: (D,) float32, pooled and through the Dense layers, not normalized (normalization and `dimensions`
     are per request, in the engine). sparse: the maximum weight per token id. colbert: (L - 1, C) float32,
-    one normalized vector per token after the first.
+    one normalized vector per token after the first. score: (num_labels,) float32, a scoring model's raw
+    logits (the engine applies the activation; models/scoring.py).
     """
 
     dense: np.ndarray | None = None
     sparse: Sparse | None = None
     colbert: np.ndarray | None = None
+    score: np.ndarray | None = None
 
     def kinds(self) -> frozenset[str]:
         return frozenset(k for k in KINDS if getattr(self, k) is not None)

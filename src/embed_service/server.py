@@ -1,9 +1,10 @@
-"""Run the server process: bind the port, resolve and check the model, build the engine and app, serve with
-graceful draining.
+"""Run the server process: bind the port, resolve and check the models, plan the machine for them, build one
+engine per model and the app, serve with graceful draining.
 
 Start-up fails fast, with one line on stderr and a non-zero exit, before any worker starts: a port that
 cannot be bound (before the model is even read), a model folder that cannot be served (config, tokenizer,
-weights headers). Only then does uvicorn start, on the socket bound first, while the workers load.
+weights headers), a served name given to two models, a resource plan the machine cannot give (more GPUs
+than are visible). Only then does uvicorn start, on the socket bound first, while the workers load.
 
 SIGTERM (and the first SIGINT): stop admitting (new requests and /health get 503), finish what was admitted,
 then exit 0. A replica whose worker dies or hangs is restarted in the process (engine/replicas.py); only when
@@ -17,6 +18,7 @@ import logging
 import signal
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
@@ -25,11 +27,13 @@ import uvicorn
 from embed_service import observability
 from embed_service.api.app import create_app
 from embed_service.api.http_limits import uvicorn_options
-from embed_service.config import DEFAULT_MODEL_NAME, Settings
-from embed_service.engine.engine import Engine
+from embed_service.config import DEFAULT_MODEL_NAME, ServeConfig, Settings
+from embed_service.engine.engine import Engine, model_request
 from embed_service.model_source import ModelSourceError, resolve_model
 from embed_service.models.checkpoint import check_model_files
-from embed_service.models.spec import load_spec
+from embed_service.models.spec import ModelSpec, load_spec
+from embed_service.plan import Plan, PlanError, plan_resources
+from embed_service.workers.device import resolve_device, this_machine
 
 log = logging.getLogger("embed_service")
 
@@ -69,8 +73,18 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_engine(settings: Settings) -> Engine:
-    """The model's spec, files and tokenizer checked, and its engine built: every refusal is one line."""
+@dataclass
+class Prepared:
+    """One model, checked and ready to build: its settings, spec, served names and resolved device."""
+
+    settings: Settings
+    spec: ModelSpec
+    names: list[str]
+    device: str
+
+
+def prepare_model(settings: Settings) -> Prepared:
+    """The model's spec, files and device checked: every refusal is one line."""
     if settings.model:
         try:  # a model folder, a Hugging Face cache folder or a repo id (model_source.py)
             source = resolve_model(settings.model, settings.revision)
@@ -81,14 +95,56 @@ def build_engine(settings: Settings) -> Engine:
         path = default_model_path()
         names = settings.served_model_name or [DEFAULT_MODEL_NAME]
     try:
-        spec = load_spec(path, settings.max_input_length)
+        spec = load_spec(path, settings.max_input_length, settings.llm_reranker)
         check_model_files(spec)
-        return Engine(settings, spec, names)
+        return Prepared(settings, spec, names, resolve_device(settings.device))
     except (ValueError, OSError) as exc:
         raise StartupError(f"cannot serve {path}: {exc}") from None
     except Exception as exc:  # a folder no check foresaw: still one line; --log-level debug for the trace
-        log.debug("building the engine failed", exc_info=True)
+        log.debug("reading the model failed", exc_info=True)
         raise StartupError(f"cannot serve {path}: {type(exc).__name__}: {exc}") from None
+
+
+def check_names(models: list[Prepared]) -> None:
+    """Every served name belongs to one model only."""
+    owner: dict[str, int] = {}
+    for i, m in enumerate(models):
+        for name in m.names:
+            if name in owner:
+                raise StartupError(
+                    f"the served name {name!r} is given to model {owner[name] + 1} and model {i + 1} "
+                    "(--served-model-name): each name routes to one model"
+                )
+            owner[name] = i
+
+
+def build_engines(config: ServeConfig) -> tuple[list[Engine], Plan]:
+    """Every model checked, the resource plan made for all of them (refused before anything loads when it
+    cannot be had), then one engine each."""
+    models = [prepare_model(s) for s in config.models]
+    check_names(models)
+    requests = [model_request(m.settings, m.spec, m.names[0], m.device) for m in models]
+    try:
+        plan = plan_resources(requests, this_machine(any(m.device == "cuda" for m in models)))
+    except PlanError as exc:
+        raise StartupError(f"cannot plan the machine: {exc}") from None
+    for line in plan.lines():
+        log.info("%s", line)
+    engines = []
+    for m, share in zip(models, plan.models):
+        try:
+            engines.append(Engine(m.settings, m.spec, m.names, share))
+        except (ValueError, OSError) as exc:
+            raise StartupError(f"cannot serve {m.spec.path}: {exc}") from None
+        except Exception as exc:
+            log.debug("building the engine failed", exc_info=True)
+            raise StartupError(f"cannot serve {m.spec.path}: {type(exc).__name__}: {exc}") from None
+    return engines, plan
+
+
+def build_engine(settings: Settings) -> Engine:
+    """One model's engine, with the machine to itself."""
+    return build_engines(ServeConfig.single(settings))[0][0]
 
 
 class DrainingServer(uvicorn.Server):
@@ -139,14 +195,18 @@ class DrainingServer(uvicorn.Server):
         asyncio.get_event_loop().call_later(FATAL_EXIT_DELAY_S, setattr, self, "should_exit", True)
 
 
-def serve(settings: Settings) -> int:
+def serve(config: ServeConfig | Settings) -> int:
+    """Serve one model (a ``Settings``) or several (a ``ServeConfig``) until SIGTERM; the exit status."""
+    if isinstance(config, Settings):
+        config = ServeConfig.single(config)
+    settings = config.server
     # Once, before anything logs; uvicorn is told to leave it alone (log_config=None), so its lines take
     # the same handler and format.
     observability.configure(settings.log_level, settings.log_format, settings.otlp_endpoint)
     sock = bind_socket(settings.host, settings.port)
-    engine = build_engine(settings)
-    app = create_app(settings, [engine])
-    config = uvicorn.Config(
+    engines, plan = build_engines(config)
+    app = create_app(settings, engines, plan)
+    uvicorn_config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -156,7 +216,7 @@ def serve(settings: Settings) -> int:
         timeout_graceful_shutdown=int(settings.drain_timeout) + 5,
         **uvicorn_options(settings),
     )
-    server = DrainingServer(config, app.state.server, settings.drain_timeout)
+    server = DrainingServer(uvicorn_config, app.state.server, settings.drain_timeout)
     app.state.server.on_fatal.append(server.fatal)
     server.run(sockets=[sock])
     return server.exit_code

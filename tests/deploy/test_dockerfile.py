@@ -128,7 +128,7 @@ def test_baking_a_model_fetches_it_into_the_cache(tmp_path, default_model_path):
     assert missing.returncode == 1 and "HF_HUB_OFFLINE is set" in missing.stderr
 
 
-@pytest.mark.parametrize("script", ["scripts/install.sh", ".ci/run"])
+@pytest.mark.parametrize("script", ["scripts/install.sh", ".ci/run", "benchmarks/gpu_check.sh"])
 def test_shell_scripts_pass_shellcheck(script):
     r = subprocess.run([tool("shellcheck"), str(ROOT / script)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout

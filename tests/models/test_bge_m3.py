@@ -292,3 +292,61 @@ def test_chunking_takes_the_dense_output_only(served):
         assert r.json()["error"]["param"] == "chunking"
     r = post(url, {"input": "x", "outputs": ["dense"], "chunking": {}})
     assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) > 0
+
+
+def test_max_active_dims_and_threshold_on_lexical_weights(served, ours_and_ref):
+    """Top-k and the threshold apply after the special tokens are dropped: exactly the k largest of the
+    reference's weights; without a sparse output either option is a 400 naming it."""
+    _, url, _ = served
+    inputs, _, (_, sparse, _) = ours_and_ref
+    for k in (1, 3):
+        r = post(url, {"input": inputs[:6], "outputs": ["sparse"], "max_active_dims": k})
+        assert r.status_code == 200, r.text
+        for got, want in zip(r.json()["data"], sparse[:6]):
+            top = sorted(want, key=want.get, reverse=True)[:k]
+            assert got["sparse"]["indices"] == sorted(top)
+    t = float(np.median([v for s in sparse[:6] for v in s.values()]))
+    r = post(url, {"input": inputs[:6], "outputs": ["sparse"], "sparse_threshold": t})
+    for got, want in zip(r.json()["data"], sparse[:6]):
+        assert got["sparse"]["indices"] == sorted(k for k, v in want.items() if v >= t)
+    for name, value in (("max_active_dims", 5), ("sparse_threshold", 0.1)):
+        r = post(url, {"input": "x", name: value})  # dense only
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
+
+
+def test_mixed_batch_of_output_kinds_in_the_worker(served):
+    """One worker batch whose sequences ask for different kinds (as concurrent requests do) gives each
+    sequence what it gets alone: the Embedder the workers run, on one batch vs one sequence at a time."""
+    from embed_service.models.loader import Embedder
+    from embed_service.models.spec import load_spec
+    from embed_service.ops.batch import FlatBatch
+    from embed_service.outputs import OutputRequest
+
+    path, url, _ = served
+    ids = [d["tokens"] for d in httpx.post(url + "/tokenize", json={"input": texts()[20:26]}).json()["data"]]
+    asks = [
+        {"dense"},
+        {"sparse"},
+        {"colbert"},
+        {"dense", "colbert"},
+        {"sparse", "colbert"},
+        {"dense", "sparse"},
+    ]
+    requests = [OutputRequest(frozenset(a)) for a in asks]
+    model = Embedder(load_spec(path), torch.float32, torch.device("cpu")).eval()
+
+    def run(seqs: list[list[int]], reqs: list[OutputRequest]):
+        flat = torch.tensor([i for s in seqs for i in s])
+        return model(FlatBatch.from_lengths(flat, [len(s) for s in seqs]), reqs)
+
+    mixed = run(ids, requests)
+    for seq, req, got in zip(ids, requests, mixed):
+        alone = run([seq], [req])[0]
+        assert got.kinds() == req.kinds
+        if got.dense is not None:
+            np.testing.assert_allclose(got.dense, alone.dense, atol=1e-5)
+        if got.sparse is not None:
+            np.testing.assert_array_equal(got.sparse.indices, alone.sparse.indices)
+            np.testing.assert_allclose(got.sparse.values, alone.sparse.values, atol=1e-5)
+        if got.colbert is not None:
+            np.testing.assert_allclose(got.colbert, alone.colbert, atol=1e-5)

@@ -1,8 +1,10 @@
-"""One access log line per request, the request id, and the request's attributes on its trace span.
+"""One access log line per request, the request id, the request's attributes on its trace span, and the
+request metrics (responses by status, the API routes' durations).
 
 The request id is the client's ``X-Request-Id`` when it is short and plain (so it cannot forge log lines),
 else a new one; it goes back in the response headers, on errors too, and into the log line and the span.
 The routes leave what the line reports (model, inputs, tokens) in the request's ``scope["state"]``.
+All of it is one pure-ASGI layer: every layer a request passes costs it a coroutine and a wrapped `send`.
 The HTTP server span itself is FastAPI's (its native OpenTelemetry support: semantic-convention
 attributes, ``traceparent`` propagation); this module only hands FastAPI the tracer provider.
 """
@@ -11,16 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import time
-import uuid
 from typing import Any
 from urllib.parse import quote
 
 from fastapi.telemetry import TelemetryConfig
 from starlette.types import Message, Receive, Scope, Send
 
-from embed_service import observability
+from embed_service import metrics, observability
 from embed_service.api.errors import APIError, error_response
 
 log = logging.getLogger("embed_service.access")
@@ -31,17 +33,23 @@ SAFE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:+/=-]{1,128}")
 # Probes and scrapes come every few seconds and say nothing the server does not log otherwise (loading,
 # draining and failures have lines of their own): their lines are debug level.
 QUIET_PATHS = frozenset({"/health", "/live", "/metrics"})
+# The routes whose durations embed_request_duration_seconds records.
+TIMED_PATHS = frozenset(
+    {"/v1/embeddings", "/embeddings", "/tokenize", "/v2/embed", "/v1/embed"}
+    | {"/rerank", "/v1/rerank", "/v2/rerank", "/classify"}
+)
 
 
 def request_id(headers: list[tuple[bytes, bytes]]) -> str:
-    """The client's X-Request-Id when it is 1-128 characters of [A-Za-z0-9._:+/=-], else a new uuid4."""
+    """The client's X-Request-Id when it is 1-128 characters of [A-Za-z0-9._:+/=-], else 128 random bits
+    in hex (as a uuid4's hex, without building the UUID object)."""
     for name, value in headers:
         if name == REQUEST_ID_HEADER:
             text = value.decode("latin-1")
             if SAFE_REQUEST_ID.fullmatch(text):
                 return text
             break
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()
 
 
 def note(request: Any, **fields: Any) -> None:
@@ -65,12 +73,17 @@ def _untraced(scope: Any) -> bool:
 
 
 class AccessLogMiddleware:
-    """Pure ASGI (no body buffering). Outermost of the app's own middleware, so the line and the header
-    cover every response the app makes, including the 500 of an unhandled exception, which it answers
-    itself (after logging the traceback once, with the request id) instead of letting it reach the server."""
+    """Pure ASGI (no body buffering). The app's only middleware of its own, so the line, the header and the
+    metrics cover every response the app makes, including the 500 of an unhandled exception, which it
+    answers itself (after logging the traceback once, with the request id) instead of letting it reach the
+    server. The metrics count the status the line reports (499 for a request cancelled unanswered)."""
 
-    def __init__(self, app: Any):
+    def __init__(self, app: Any, default_model: str):
         self.app = app
+        self.default_model = default_model
+        # The metrics' children by label values: `labels()` validates and locks on every call.
+        self._responses: dict[tuple[str, int], Any] = {}
+        self._durations: dict[str, Any] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -110,7 +123,21 @@ class AccessLogMiddleware:
             status = status or 499  # stopped before an answer: nobody got one
             raise
         finally:
-            access_line(scope, status or 500, time.perf_counter() - start, state, span)
+            seconds = time.perf_counter() - start
+            self._count(scope, status or 500, seconds, state)
+            access_line(scope, status or 500, seconds, state, span)
+
+    def _count(self, scope: Scope, status: int, seconds: float, state: dict) -> None:
+        model = state.get("model", self.default_model)
+        counter = self._responses.get((model, status))
+        if counter is None:
+            counter = self._responses[model, status] = metrics.REQUESTS.labels(model, str(status))
+        counter.inc()
+        if scope["path"] in TIMED_PATHS:
+            duration = self._durations.get(model)
+            if duration is None:
+                duration = self._durations[model] = metrics.REQUEST_DURATION.labels(model)
+            duration.observe(seconds)
 
 
 def printable(path: str) -> str:

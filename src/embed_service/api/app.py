@@ -12,21 +12,23 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from embed_service import __version__, metrics
-from embed_service.api import cohere, docs, openapi
+from embed_service import __version__
+from embed_service.api import cohere, docs, openapi, rerank
 from embed_service.api.access_log import AccessLogMiddleware, telemetry_config
 from embed_service.api.auth import ApiKeys, load_api_keys
 from embed_service.api.errors import install_handlers
 from embed_service.api.routes import check_api_key, router
-from embed_service.config import Settings
+from embed_service.config import ServerSettings
 from embed_service.engine.engine import Engine
 from embed_service.engine.errors import ModelNotFoundError
+from embed_service.plan import Plan
+from embed_service.workers.device import this_machine
 
 log = logging.getLogger(__name__)
 
 
 class Models:
-    """The served engines by name (canonical names and aliases)."""
+    """The served engines by name (canonical names and aliases); the first answers requests naming none."""
 
     def __init__(self, engines: list[Engine]):
         self.engines = engines
@@ -49,9 +51,10 @@ class Models:
 class ServerState:
     """What the routes and the process runner share."""
 
-    def __init__(self, settings: Settings, models: Models, api_keys: ApiKeys):
+    def __init__(self, settings: ServerSettings, models: Models, api_keys: ApiKeys, plan: Plan):
         self.settings = settings
         self.models = models
+        self.plan = plan  # the machine as the models share it (plan.py)
         self.api_keys = api_keys
         self.draining = False
         self.fatal: str | None = None
@@ -63,8 +66,12 @@ class ServerState:
             e.begin_drain()
 
 
-def create_app(settings: Settings, engines: list[Engine]) -> FastAPI:
-    state = ServerState(settings, Models(engines), load_api_keys(settings))
+def create_app(settings: ServerSettings, engines: list[Engine], plan: Plan | None = None) -> FastAPI:
+    """The app serving `engines` (one per model); `plan`: the resource plan they were built from (default:
+    their own shares, on this machine)."""
+    if plan is None:
+        plan = Plan(this_machine(any(e.device == "cuda" for e in engines)), tuple(e.plan for e in engines))
+    state = ServerState(settings, Models(engines), load_api_keys(settings), plan)
 
     def fatal(reason: str) -> None:
         state.fatal = reason
@@ -115,40 +122,15 @@ def create_app(settings: Settings, engines: list[Engine]) -> FastAPI:
     install_handlers(app)
     app.include_router(router)
     app.include_router(cohere.router)
+    app.include_router(rerank.router)
     if settings.docs:
         app.include_router(docs.router)
-    openapi.install(app, [router, cohere.router], check_api_key, bool(state.api_keys))
-    app.add_middleware(MetricsMiddleware, default_model=engines[0].name)
-    app.add_middleware(AccessLogMiddleware)  # added last: outermost
+    openapi.install(
+        app,
+        [router, cohere.router, rerank.router],
+        check_api_key,
+        bool(state.api_keys),
+        rerank.REQUEST_MODELS,
+    )
+    app.add_middleware(AccessLogMiddleware, default_model=engines[0].name)  # the metrics too: one layer
     return app
-
-
-class MetricsMiddleware:
-    """Counts every response by status and times the API routes (pure ASGI: no body buffering)."""
-
-    timed = {"/v1/embeddings", "/embeddings", "/tokenize", "/v2/embed", "/v1/embed"}
-
-    def __init__(self, app: Any, default_model: str):
-        self.app = app
-        self.default_model = default_model
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        start = time.perf_counter()
-        status = 500
-
-        async def send_wrapper(message: dict) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_wrapper)
-        finally:
-            model = scope.get("state", {}).get("model", self.default_model)
-            metrics.REQUESTS.labels(model, str(status)).inc()
-            if scope["path"] in self.timed:
-                metrics.REQUEST_DURATION.labels(model).observe(time.perf_counter() - start)

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from embed_service.config import Settings
+from embed_service.config import ServerSettings
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def given_as_flag(argv: Sequence[str]) -> bool:
     return any(a == "--api-key" or a.startswith("--api-key=") for a in argv)
 
 
-def load_api_keys(settings: Settings, argv: Sequence[str] | None = None) -> ApiKeys:
+def load_api_keys(settings: ServerSettings, argv: Sequence[str] | None = None) -> ApiKeys:
     """The keys of ``--api-key`` / ``EMBED_API_KEY`` (comma-separated) and of ``--api-key-file``."""
     keys = split_keys(settings.api_key or "")
     if settings.api_key_file:

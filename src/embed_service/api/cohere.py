@@ -25,6 +25,7 @@ from embed_service.api.openapi import errors, json_body, ok
 from embed_service.api.routes import Authorized, json_response, read_json, serving, until_disconnect
 from embed_service.api.schemas import CohereEmbedRequest, CohereEmbedResponse
 from embed_service.engine.engine import EmbedOptions, Engine
+from embed_service.outputs import DENSE_ONLY
 
 router = APIRouter()
 
@@ -80,7 +81,10 @@ def options(body: CohereEmbedRequest, engine: Engine) -> EmbedOptions:
     names = PROMPT_NAMES.get(body.input_type or "", ())
     prompt_name = next((n for n in names if n in engine.spec.prompts), None)
     truncate, direction = TRUNCATION[body.truncate or "END"]
-    return EmbedOptions(truncate, direction, dimensions=dimension, prompt_name=prompt_name)
+    # Cohere embeds are dense vectors, whatever the model gives by default (a SPLADE model refuses them).
+    return EmbedOptions(
+        truncate, direction, dimensions=dimension, prompt_name=prompt_name, outputs=DENSE_ONLY.kinds
+    )
 
 
 async def embed(request: Request, by_type: bool) -> Response:

@@ -29,7 +29,7 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from embed_service.api.errors import RETRY_AFTER, APIError, error_body, unavailable
-from embed_service.config import Settings
+from embed_service.config import ServerSettings
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +292,7 @@ def fit_connections(max_connections: int) -> int:
     return max_connections
 
 
-def uvicorn_options(settings: Settings) -> dict[str, Any]:
+def uvicorn_options(settings: ServerSettings) -> dict[str, Any]:
     """The `uvicorn.Config` arguments that set the HTTP protocol and its limits."""
     limits = HttpLimits(
         max_header_bytes=settings.max_header_bytes,

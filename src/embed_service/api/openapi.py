@@ -83,9 +83,15 @@ def _uses(dependant: Dependant, call: Callable[..., Any]) -> bool:
     return any(d.call is call or _uses(d, call) for d in dependant.dependencies)
 
 
-def install(app: FastAPI, routers: list[APIRouter], auth: Callable[..., Any], keys_set: bool) -> None:
+def install(
+    app: FastAPI,
+    routers: list[APIRouter],
+    auth: Callable[..., Any],
+    keys_set: bool,
+    request_models: tuple[type[BaseModel], ...] = (),
+) -> None:
     """Make `app.openapi()` describe the whole API; `auth` is the dependency of `routers`' routes that
-    checks the key."""
+    checks the key; `request_models`: the bodies of routes defined outside api/schemas.py."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
@@ -93,7 +99,7 @@ def install(app: FastAPI, routers: list[APIRouter], auth: Callable[..., Any], ke
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {})
         schemas = components.setdefault("schemas", {})
-        for model in REQUEST_MODELS:
+        for model in REQUEST_MODELS + request_models:
             js = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(js.pop("$defs", {}))
             schemas[model.__name__] = js

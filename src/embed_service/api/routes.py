@@ -56,7 +56,9 @@ def server(request: Request) -> Any:
     return request.app.state.server
 
 
-def check_api_key(request: Request) -> None:
+async def check_api_key(request: Request) -> None:
+    # A coroutine, though it never awaits: FastAPI runs a plain `def` dependency on its thread pool, a
+    # hop to a thread and back on every request (~60 us of the HTTP process's CPU per request).
     keys = server(request).api_keys
     if keys and not keys.accepts(request.headers.get("authorization")):
         raise unauthorized()
@@ -161,6 +163,21 @@ def serving(request: Request, name: str | None) -> Engine:
     return engine
 
 
+def embed_options(body: EmbeddingRequest) -> EmbedOptions:
+    """The engine's options for an embeddings request (chunking aside), for this route and the Python API."""
+    return EmbedOptions(
+        body.truncate,
+        body.truncation_direction,
+        body.normalize,
+        body.dimensions,
+        body.prompt_name,
+        body.prompt,
+        outputs=frozenset(body.outputs) if body.outputs else None,  # None: the model's default
+        max_active_dims=body.max_active_dims,
+        sparse_threshold=body.sparse_threshold,
+    )
+
+
 @router.post(
     "/v1/embeddings",
     summary="Embed texts or token ids (OpenAI embeddings API)",
@@ -173,15 +190,7 @@ async def embeddings(request: Request, _: Authorized) -> Response:
     note(request, inputs=len(body.input))
     engine = serving(request, body.model)
     # Admission (the client batch limit, the character budgets, capacity) is the engine's, for every route.
-    opts = EmbedOptions(
-        body.truncate,
-        body.truncation_direction,
-        body.normalize,
-        body.dimensions,
-        body.prompt_name,
-        body.prompt,
-        outputs=frozenset(body.outputs) if body.outputs else None,
-    )
+    opts = embed_options(body)
     dimension = body.dimensions or engine.spec.dimension  # checked before any work is paid for
     ranges = encodings.check_ranges(body.embed_dtype, body.embed_ranges, dimension)
     if body.chunking is not None:  # long inputs (engine/chunking.py)
@@ -191,7 +200,7 @@ async def embeddings(request: Request, _: Authorized) -> Response:
     note(request, tokens=result.prompt_tokens)
     b64 = body.encoding_format == "base64"
     data: list[dict[str, Any]] = [{"object": "embedding", "index": i} for i in range(len(body.input))]
-    if body.outputs is None or "dense" in body.outputs:
+    if "dense" in (opts.outputs or engine.spec.default_outputs):
         # base64 strings, or arrays orjson writes straight as numbers: no per-value Python objects.
         rows = encodings.rows(result.embeddings, body.embed_dtype, body.encoding_format, ranges)
         for item, row in zip(data, rows):
@@ -232,6 +241,8 @@ async def embed_sparse(request: Request, _: Authorized) -> Response:
         prompt_name=body.prompt_name,
         prompt=body.prompt,
         outputs=frozenset({"sparse"}),
+        max_active_dims=body.max_active_dims,
+        sparse_threshold=body.sparse_threshold,
     )
     result = await until_disconnect(request, engine.embed(body.inputs, opts))
     note(request, tokens=result.prompt_tokens)
@@ -281,13 +292,21 @@ async def models(request: Request, _: Authorized) -> Response:
     )
 
 
-@router.get("/info", summary="What the server detected and resolved", responses=ok(Info))
-async def info(request: Request, _: Authorized) -> Response:
+@router.get(
+    "/info",
+    summary="What the server detected and resolved, for one model or every model",
+    responses={**ok(Info), **errors(404)},
+)
+async def info(request: Request, _: Authorized, model: str | None = None) -> Response:
+    """The first model's details at the top level (or, with ``?model=``, that model's), every model's under
+    ``models``, and the resource plan (``plan``)."""
     state = server(request)
-    body = state.models.default.info()
+    engine = state.models.get(model)  # an unknown name: 404 model_not_found
+    body = engine.info()
     body["version"] = __version__
-    if len(state.models.engines) > 1:
-        body["models"] = [e.info() for e in state.models.engines]
+    body["default_model"] = state.models.default.name
+    body["models"] = [e.info() for e in state.models.engines]
+    body["plan"] = state.plan.info()
     return json_response(body)
 
 
@@ -298,7 +317,7 @@ async def live() -> Response:
 
 @router.get(
     "/health",
-    summary="Readiness: 200 only while the model serves",
+    summary="Readiness: 200 only while every model serves",
     responses={**ok(Health), **unready(Health)},
 )
 async def health(request: Request) -> Response:
@@ -308,12 +327,17 @@ async def health(request: Request) -> Response:
     if state.fatal:
         return json_response({"status": "unhealthy", "reason": state.fatal}, 503, RETRY_AFTER)
     # 503 only while a model has no replica that can serve; one restarting beside a serving one is fine.
-    restarting = [e for e in state.models.engines if e.state == "restarting"]
+    # Every model must serve: a client routed to one that cannot would get 503s from a ready server.
+    engines = state.models.engines
+    several = {"models": {e.name: e.state for e in engines}} if len(engines) > 1 else {}
+    restarting = [e for e in engines if e.state == "restarting"]
     if restarting:
-        return json_response({"status": "restarting", "reason": restarting[0].failure}, 503, RETRY_AFTER)
+        first = restarting[0]
+        reason = f"model {first.name}: {first.failure}" if several else first.failure
+        return json_response({"status": "restarting", "reason": reason, **several}, 503, RETRY_AFTER)
     if not state.models.ready:
-        return json_response({"status": "loading"}, 503, RETRY_AFTER)
-    return json_response({"status": "ok"})
+        return json_response({"status": "loading", **several}, 503, RETRY_AFTER)
+    return json_response({"status": "ok", **several})
 
 
 @router.get(

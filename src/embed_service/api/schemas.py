@@ -137,10 +137,15 @@ class EmbeddingRequest(BaseModel):
     chunking: Chunking | None = None
     """Embed texts past the max input length as averaged windows (default: the server's --chunk-long-inputs)."""
     outputs: list[Literal["dense", "sparse", "colbert"]] | None = Field(None, min_length=1)
-    """The outputs of each input, from one forward (default: dense). ``sparse`` (lexical weights) and
-    ``colbert`` (one vector per token) need a model with those heads (bge-m3); see docs/api.md."""
+    """The outputs of each input, from one forward (default: dense; sparse for a SPLADE model). ``sparse``
+    (lexical weights) and ``colbert`` (one vector per token) need a model with those heads (bge-m3, SPLADE);
+    see docs/api.md."""
     sparse_tokens: StrictBool = False
     """With a sparse output: also each token id's token, as ``sparse.tokens``."""
+    max_active_dims: StrictInt | None = Field(None, json_schema_extra={"minimum": 1})
+    """With a sparse output: keep only the N largest weights (sentence-transformers' max_active_dims)."""
+    sparse_threshold: StrictFloat | StrictInt | None = Field(None, json_schema_extra={"minimum": 0})
+    """With a sparse output: drop the weights below it (applied before max_active_dims)."""
 
     @field_validator("input", mode="before")
     @classmethod
@@ -159,6 +164,10 @@ class SparseEmbedRequest(BaseModel):
     truncation_direction: Literal["right", "left"] = "right"
     prompt_name: StrictStr | None = None
     prompt: StrictStr | None = None
+    max_active_dims: StrictInt | None = Field(None, json_schema_extra={"minimum": 1})
+    """Keep only the N largest weights (sentence-transformers' max_active_dims)."""
+    sparse_threshold: StrictFloat | StrictInt | None = Field(None, json_schema_extra={"minimum": 0})
+    """Drop the weights below it (applied before max_active_dims)."""
 
     @field_validator("inputs", mode="before")
     @classmethod
@@ -302,6 +311,8 @@ class Info(BaseModel):
 class Health(BaseModel):
     status: Literal["ok", "loading", "draining", "restarting", "unhealthy"]
     reason: str | None = None
+    models: dict[str, str] | None = None
+    """With several models, each one's state (``loading``, ``ready``, ``restarting``, ...), by canonical name."""
 
 
 class Live(BaseModel):

@@ -20,11 +20,18 @@ import numpy as np
 from embed_service import metrics, observability
 from embed_service.batching.batcher import Batcher
 from embed_service.batching.sequence import RequestState, Sequence
-from embed_service.config import Settings
+from embed_service.config import ModelSettings, Settings
 from embed_service.engine import chunking
 from embed_service.engine.admission import Admission, Limits, Permit, check_request, run_piecewise
 from embed_service.engine.errors import InvalidInputError, NotReadyError
 from embed_service.engine.replicas import Replicas
+from embed_service.engine.scoring import (
+    PairTokenizer,
+    PromptTokenizer,
+    ScoreResult,
+    activate,
+    check_pairs,
+)
 from embed_service.engine.tokenizer import (
     InputCharsError,
     InputTooLongError,
@@ -33,25 +40,21 @@ from embed_service.engine.tokenizer import (
     Tokenizer,
     Truncation,
 )
-from embed_service.models.spec import ModelSpec
+from embed_service.models.spec import ModelSpec, ScoreSpec
 from embed_service.outputs import (
     COLBERT,
     DENSE,
     DENSE_ONLY,
     KINDS,
+    SCORE,
     SPARSE,
     OutputRequest,
     SequenceOutput,
     Sparse,
 )
 from embed_service.parallel import check_shardable
-from embed_service.workers.device import (
-    available_cores,
-    available_memory,
-    check_world_size,
-    resolve_device,
-    resolve_dtype,
-)
+from embed_service.plan import ModelPlan, ModelRequest, copies_fit, plan_resources
+from embed_service.workers.device import available_memory, resolve_device, resolve_dtype, this_machine
 from embed_service.workers.group import WorkerGroup, free_port
 from embed_service.workers.worker import WorkerConfig
 
@@ -72,7 +75,11 @@ class EmbedOptions:
     prompt: str | None = None
     chunking: chunking.ChunkOptions | None = None  # long inputs (engine/chunking.py)
     outputs: frozenset[str] | None = None
-    """The output kinds (outputs.KINDS) each input asks for; None: dense only."""
+    """The output kinds (outputs.KINDS) each input asks for; None: the model's default (ModelSpec.default_outputs)."""
+    max_active_dims: int | None = None
+    """Sparse output: keep the largest N weights (sentence-transformers' max_active_dims); None: all."""
+    sparse_threshold: float | None = None
+    """Sparse output: drop the weights below it; None: keep every weight > 0."""
 
 
 @dataclass
@@ -95,11 +102,26 @@ def finish(vectors: np.ndarray, dimensions: int | None, normalize: bool) -> np.n
     return np.ascontiguousarray(vectors, dtype=np.float32)
 
 
+def weight_bytes(spec: ModelSpec) -> int:
+    """The checkpoint's size on disk."""
+    return sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in spec.path.glob(pattern))
+
+
 def small_enough_to_copy(spec: ModelSpec) -> bool:
     """Two copies of the checkpoint fit in an eighth of the memory the process may use (its cgroup's limit)."""
-    weights = sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in spec.path.glob(pattern))
-    memory = available_memory()
-    return memory is not None and 2 * weights <= memory // 8
+    return copies_fit(weight_bytes(spec), available_memory())
+
+
+def model_request(settings: ModelSettings, spec: ModelSpec, name: str, device: str) -> ModelRequest:
+    """What one model asks of the resource plan (plan.py)."""
+    return ModelRequest(
+        name,
+        device,
+        settings.tensor_parallel_size,
+        settings.data_parallel_size,
+        settings.num_threads,
+        weight_bytes(spec),
+    )
 
 
 INLINE_TOKENIZE_CHARS = 1024
@@ -132,7 +154,12 @@ def _chunk(inputs: Inputs, start: int, most: int, prompt: str | None, limit: int
 
 
 class Engine:
-    def __init__(self, settings: Settings, spec: ModelSpec, served_names: list[str]):
+    """One served model. `plan`: its share of the machine (plan.py) when the server serves several; by default
+    the model has the machine to itself."""
+
+    def __init__(
+        self, settings: Settings, spec: ModelSpec, served_names: list[str], plan: ModelPlan | None = None
+    ):
         self.settings = settings
         self.spec = spec
         self.served_names = served_names
@@ -146,22 +173,20 @@ class Engine:
                 f"({spec.max_input_length}): the longest input could never be batched"
             )
         self.tokenizer = Tokenizer(spec)
-        self.device = resolve_device(settings.device)
+        self.device = plan.device if plan else resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, self.device)
         tp = settings.tensor_parallel_size
         check_shardable(spec.config, tp)  # before any worker starts: fail fast, naming the numbers
-        check_world_size(self.device, tp)
-        # Replicas: on a CPU, two single-purpose workers beat one with twice the threads. An OpenMP team
-        # stalls at every barrier while one of its threads waits for a core the event loop or the
-        # client holds (measured on 2 busy cores: 26 vs 5 passages/s), and a second replica lets a short
-        # request run beside a long batch instead of behind it.
-        # Only where a second copy of the weights is cheap: a 7B checkpoint must not be loaded twice.
-        self.replicas = settings.data_parallel_size or (
-            2
-            if self.device == "cpu" and tp == 1 and available_cores() >= 2 and small_enough_to_copy(spec)
-            else 1
+        # Replicas, threads and devices: the resource plan (plan.py says why these defaults). Alone, the
+        # model plans for the whole machine; a plan it cannot have (GPUs not there) is a ValueError here.
+        self.plan = (
+            plan
+            or plan_resources(
+                [model_request(settings, spec, self.name, self.device)], this_machine(self.device == "cuda")
+            ).models[0]
         )
-        self.num_threads = settings.num_threads or max(1, available_cores() // (tp * self.replicas))
+        self.replicas = self.plan.replicas
+        self.num_threads = self.plan.num_threads
         self.worker_config = WorkerConfig(
             str(spec.path),
             spec.max_input_length,
@@ -170,6 +195,11 @@ class Engine:
             self.num_threads,
             tp,
             free_port() if tp > 1 else 0,
+            devices=self.plan.devices[0],
+            llm_reranker=settings.llm_reranker,
+            max_batch_tokens=self.max_batch_tokens,
+            fidelity_min_cosine=settings.fidelity_min_cosine,
+            fidelity_warn_only=settings.fidelity_warn_only,
         )
         # loading -> ready <-> restarting (no replica up) -> draining | failed
         self.state = "loading"
@@ -195,6 +225,7 @@ class Engine:
             settings.batch_timeout,
             on_change=self._replicas_changed,
             on_give_up=self._fail,
+            devices=self.plan.devices,
         )
         self.batcher: Batcher | None = None
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"tokenize-{self.name}")
@@ -258,7 +289,7 @@ class Engine:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     def _make_group(self, index: int, on_death: Any) -> WorkerGroup:
-        config = self.worker_config
+        config = dataclasses.replace(self.worker_config, devices=self.plan.devices[index])  # its own devices
         if config.world_size > 1:  # every group its own rendezvous (an old one's port may linger)
             config = dataclasses.replace(config, dist_port=free_port())
         return WorkerGroup(config, on_death=on_death)
@@ -299,8 +330,15 @@ class Engine:
 
     def output_request(self, kinds: frozenset[str] | None) -> OutputRequest:
         """What each input of a request asks the workers for; a kind this model cannot give is a 400."""
-        if kinds is None:
+        if SCORE in self.spec.outputs and SCORE not in (kinds or ()):
+            raise InvalidInputError(
+                f"model {self.name} is a cross-encoder or classifier: it scores (/rerank, /classify) and does "
+                "not embed; see docs/models.md",
+                param="model",
+            )
+        if kinds is None and DENSE in self.spec.outputs:
             return DENSE_ONLY
+        kinds = self.spec.default_outputs if kinds is None else kinds  # sparse for a SPLADE model
         if not kinds:
             raise InvalidInputError("outputs must name at least one output kind", param="outputs")
         missing = sorted(kinds - self.spec.outputs)
@@ -312,9 +350,34 @@ class Engine:
             )
         return OutputRequest(frozenset(kinds))
 
-    def _sparse(self, s: Sparse) -> Sparse:
-        keep = ~np.isin(s.indices, self.tokenizer.lexical_skip_ids)
-        return Sparse(s.indices[keep], s.values[keep])
+    def _sparse(self, s: Sparse, opts: EmbedOptions) -> Sparse:
+        """bge-m3's lexical weights without the special tokens (a SPLADE vector keeps every vocabulary
+        entry, as sentence-transformers does); then the request's threshold and top-k."""
+        if self.spec.splade is None:
+            keep = ~np.isin(s.indices, self.tokenizer.lexical_skip_ids)
+            s = Sparse(s.indices[keep], s.values[keep])
+        if opts.sparse_threshold is not None:
+            keep = s.values >= opts.sparse_threshold
+            s = Sparse(s.indices[keep], s.values[keep])
+        if opts.max_active_dims is not None and s.values.size > opts.max_active_dims:
+            top = np.sort(np.argpartition(-s.values, opts.max_active_dims - 1)[: opts.max_active_dims])
+            s = Sparse(s.indices[top], s.values[top])  # ascending ids still
+        return s
+
+    def _check_sparse_options(self, opts: EmbedOptions, output: OutputRequest) -> None:
+        """max_active_dims >= 1 and a finite sparse_threshold >= 0, with a sparse output only."""
+        for name in ("max_active_dims", "sparse_threshold"):
+            if getattr(opts, name) is not None and SPARSE not in output.kinds:
+                raise InvalidInputError(f"{name} applies to the sparse output, which was not asked for", name)
+        if opts.max_active_dims is not None and opts.max_active_dims < 1:
+            raise InvalidInputError(
+                f"max_active_dims must be at least 1, got {opts.max_active_dims}", "max_active_dims"
+            )
+        t = opts.sparse_threshold
+        if t is not None and not (np.isfinite(t) and t >= 0):
+            raise InvalidInputError(
+                f"sparse_threshold must be a finite number >= 0, got {t}", "sparse_threshold"
+            )
 
     def truncation(self, opts: EmbedOptions) -> Truncation:
         enabled = self.settings.auto_truncate if opts.truncate is None else opts.truncate
@@ -350,7 +413,7 @@ class Engine:
             seqs = self.tokenizer.encode(inputs, prompt, rule, self.settings.max_input_chars, first)
         else:
             seqs = inputs  # type: ignore[assignment]
-            self.tokenizer.check_ids(seqs)
+            self.tokenizer.check_ids(seqs, first)
         try:
             return self.tokenizer.truncate(seqs, rule, prompt)
         except InputTooLongError as exc:
@@ -413,6 +476,7 @@ class Engine:
                 f"dimensions must be in 1..{self.spec.dimension}, got {opts.dimensions}", param="dimensions"
             )
         output = self.output_request(opts.outputs)
+        self._check_sparse_options(opts, output)
         rule = self.truncation(opts)
         prompt = self._prompt(inputs, opts)
         chunk_rule = self._chunk_rule(inputs, opts)
@@ -460,7 +524,7 @@ class Engine:
             return EmbedResult(
                 vectors,
                 tokens,
-                sparse=[self._sparse(r.sparse) for r in results] if SPARSE in kinds else None,
+                sparse=[self._sparse(r.sparse, opts) for r in results] if SPARSE in kinds else None,
                 colbert=[r.colbert for r in results] if COLBERT in kinds else None,
             )
         except BaseException:
@@ -573,6 +637,127 @@ class Engine:
         finally:
             permit.close()
 
+    # --- scoring models: rerank and classify (engine/scoring.py) ----------------------------------------
+
+    @functools.cached_property
+    def _pairs(self) -> PairTokenizer | PromptTokenizer:
+        backend = self.tokenizer.backend.to_str()
+        if self.spec.score is not None and self.spec.score.head == "yes_no":
+            return PromptTokenizer(backend, self.spec.max_input_length, self.settings.rerank_instruction)
+        types = int(self.spec.config.get("type_vocab_size", 0)) > 1  # RoBERTa's table has one row
+        return PairTokenizer(backend, self.spec.max_input_length, types)
+
+    def _score_spec(self, route: str) -> ScoreSpec:
+        if self.spec.score is None:
+            raise InvalidInputError(
+                f"model {self.name} is an embedding model: it does not {route} (serve a cross-encoder or a "
+                "sequence classifier; see docs/models.md)",
+                param="model",
+            )
+        return self.spec.score
+
+    async def rerank(
+        self,
+        query: str,
+        documents: list[str],
+        truncate: bool = True,
+        doc_tokens: int | None = None,
+        instruction: str | None = None,
+    ) -> ScoreResult:
+        """One relevance score per (query, document), as CrossEncoder.predict gives it; (n, 1) scores."""
+        self._check_ready()
+        score = self._score_spec("rerank")
+        if len(score.labels) != 1:
+            raise InvalidInputError(
+                f"model {self.name} has {len(score.labels)} labels; reranking needs one score per pair "
+                "(use /classify)",
+                param="model",
+            )
+        if not query:
+            raise InvalidInputError("query must not be empty", param="query")
+        pairs = self._pairs
+        if instruction is not None and not isinstance(pairs, PromptTokenizer):
+            raise InvalidInputError(
+                "instruction applies to LLM rerankers (--llm-reranker); a cross-encoder scores the pair as it is",
+                param="instruction",
+            )
+        check_pairs(query + (instruction or ""), documents, self.limits)
+
+        def encode(piece: list[str], first: int) -> list[tuple[list[int], int]]:
+            if isinstance(pairs, PromptTokenizer):
+                return pairs.encode(query, piece, truncate, doc_tokens, first, instruction)
+            return pairs.encode(query, piece, truncate, doc_tokens, first)
+
+        logits, tokens = await self._score(documents, query, encode)
+        return ScoreResult(activate(logits, score.rerank_activation), tokens)
+
+    async def classify(self, inputs: list[str], opts: EmbedOptions | None = None) -> ScoreResult:
+        """Label probabilities per text, as the transformers text-classification pipeline gives them."""
+        opts = opts or EmbedOptions()
+        self._check_ready()
+        score = self._score_spec("classify")
+        if score.head == "yes_no":
+            raise InvalidInputError(f"model {self.name} is an LLM reranker: it reranks, it does not classify")
+        rule = self.truncation(opts)
+        check_request(inputs, None, self.limits)
+
+        def encode(piece: list[str], first: int) -> list[tuple[list[int], int]]:
+            return [(ids, 0) for ids in self._token_ids(piece, rule, None, first)]
+
+        logits, tokens = await self._score(inputs, None, encode)
+        return ScoreResult(activate(logits, score.classify_activation), tokens)
+
+    async def _score(self, texts: list[str], query: str | None, encode: Any) -> tuple[np.ndarray, int]:
+        """Admit, tokenize (`encode(piece, first)` on a tokenization thread), batch and run scoring
+        sequences; their (n, labels) logits and token count. A request of thousands of documents is
+        admitted piecewise and batched by tokens, like any other work."""
+        permit = self.admission.admit(len(texts))
+        state = RequestState()
+        loop = asyncio.get_running_loop()
+        tokens = 0
+        submitted: list[Sequence] = []
+        kinds = frozenset({SCORE})
+
+        async def start(first: int, k: int) -> list[asyncio.Future]:
+            nonlocal tokens
+            t0 = time.perf_counter()
+            encoded: list[tuple[list[int], int]] = []
+            with observability.span("tokenize"):
+                try:
+                    while len(encoded) < k:
+                        at = first + len(encoded)
+                        step = _chunk(texts, at, k - len(encoded), query, self.settings.max_input_chars)
+                        encoded += await loop.run_in_executor(
+                            self._tokenize_pool, encode, texts[at : at + step], at
+                        )
+                except (InputTooLongError, InvalidTokenError, InputCharsError) as exc:
+                    raise InvalidInputError(str(exc)) from None
+            metrics.TOKENIZATION_DURATION.labels(self.name).observe(time.perf_counter() - t0)
+            if self.state == "failed":
+                self._check_ready()
+            assert self.batcher is not None
+            seqs = [
+                Sequence(ids, loop.create_future(), state, OutputRequest(kinds, second))
+                for ids, second in encoded
+            ]
+            submitted.extend(seqs)
+            tokens += sum(len(ids) for ids, _ in encoded)
+            self.batcher.submit(
+                seqs, priority=permit.interactive and tokens <= self.settings.priority_max_tokens
+            )
+            return [s.future for s in seqs]
+
+        try:
+            results = await run_piecewise(permit, len(texts), start)
+            observability.trace_batches(submitted)
+            metrics.INPUT_TOKENS.labels(self.name).inc(tokens)
+            return np.stack([r.score for r in results]), tokens
+        except BaseException:
+            state.cancelled = True
+            raise
+        finally:
+            permit.close()
+
     def info(self) -> dict[str, Any]:
         s = self.settings
         # The first replica that serves (its workers' pids and parameter bytes).
@@ -593,7 +778,8 @@ class Engine:
             "chunk_long_inputs": s.chunk_long_inputs,
             "chunk_overlap": s.chunk_overlap,
             "max_chunks_per_input": s.max_chunks_per_input,
-            "dtype": self.dtype,
+            # On CUDA --dtype auto is decided by the workers (from the GPU's compute capability).
+            "dtype": first.group.rank_info[0].get("dtype", self.dtype) if first else self.dtype,
             "device": self.device,
             "tensor_parallel_size": s.tensor_parallel_size,
             "num_threads": self.num_threads,
@@ -617,4 +803,9 @@ class Engine:
             else [],
             "worker_pids": [r["pid"] for r in first.group.rank_info] if first else [],
             "replicas": self.replica_set.info(),
+            # What the workers chose (ops/fused.py, ops/attention.py) and the start-up fidelity check's
+            # figure (workers/fidelity.py).
+            "kernels": first.group.rank_info[0].get("kernels") if first else None,
+            "attention": first.group.rank_info[0].get("attention") if first else None,
+            "fidelity": first.group.rank_info[0].get("fidelity") if first else None,
         }

@@ -66,6 +66,7 @@ class Replica:
     last_failure: str | None = None
     failures: deque[float] = field(default_factory=deque)  # time.monotonic() of failures in the window
     task: asyncio.Task | None = None  # the restart in progress
+    devices: tuple[str, ...] = ()  # one per rank, from the resource plan (plan.py)
 
     def info(self) -> dict[str, Any]:
         return {
@@ -73,6 +74,7 @@ class Replica:
             "state": self.state,
             "restarts": self.restarts,
             "pids": [r["pid"] for r in self.group.rank_info] if self.state == "ready" else [],
+            "devices": list(self.devices),
             "last_failure": self.last_failure,
         }
 
@@ -83,9 +85,10 @@ GroupFactory = Callable[[int, Callable[[str], None]], WorkerGroup]
 class Replicas:
     """Starts the replicas of one model, computes on them, and restarts the ones that fail.
 
-    `make_group(index, on_death)` builds a (not yet started) group; `on_change(replicas_up, reason)` runs
-    on the event loop whenever a replica goes down or comes back; `on_give_up(reason)` once, when restarts
-    keep failing.
+    `make_group(index, on_death)` builds a (not yet started) group, on replica `index`'s own devices
+    (`devices[index]`, the resource plan's: a restarted replica gets the same ones); `on_change(replicas_up,
+    reason)` runs on the event loop whenever a replica goes down or comes back; `on_give_up(reason)` once,
+    when restarts keep failing.
     """
 
     MAX_RESTARTS = 3
@@ -101,9 +104,11 @@ class Replicas:
         batch_timeout: float | None,
         on_change: Callable[[int, str | None], None],
         on_give_up: Callable[[str], None],
+        devices: tuple[tuple[str, ...], ...] = (),
     ):
         self.model = model
         self.count = count
+        self.devices = devices
         self.make_group = make_group
         self.max_batch_tokens = max_batch_tokens
         self.batch_timeout = batch_timeout
@@ -126,7 +131,10 @@ class Replicas:
     async def start(self, on_log: Callable[[str], None]) -> None:
         """Start every replica and wait until all have loaded and warmed up; raise if one cannot."""
         self._loop = asyncio.get_running_loop()
-        self.replicas = [Replica(i, self._new_group(i)) for i in range(self.count)]
+        self.replicas = [
+            Replica(i, self._new_group(i), devices=self.devices[i] if self.devices else ())
+            for i in range(self.count)
+        ]
         # On the event loop's thread: each worker is killed by the kernel when the thread that started it
         # ends (PR_SET_PDEATHSIG), and this thread lives as long as the server.
         for r in self.replicas:

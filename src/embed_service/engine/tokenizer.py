@@ -99,6 +99,9 @@ class Tokenizer:
         self.backend = hf.backend_tokenizer
         self.backend.no_truncation()
         self.backend.no_padding()
+        # The short texts' batch call needs only the ids: the variant that tracks no character offsets is
+        # 10-20% cheaper (tokenizers >= 0.20; 512-token texts 564 -> 450 us each, 32 per call).
+        self._encode_ids = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
         self.vocab_size = spec.check_tokenizer_size(len(hf))
         probe = self.backend.encode("a", add_special_tokens=True)
         content = [i for i, special in enumerate(probe.special_tokens_mask) if not special]
@@ -224,7 +227,7 @@ class Tokenizer:
         if direct:
             # Short texts: one batch call (Rust, releases the GIL). The prompt is joined only to texts
             # already known to be short: its copies are bounded by the request's character budget.
-            encoded = self.backend.encode_batch([prompt + texts[i] for i in direct], add_special_tokens=True)
+            encoded = self._encode_ids([prompt + texts[i] for i in direct], add_special_tokens=True)
             for i, e in zip(direct, encoded):
                 out[i] = self._with_eos(e.ids)
         return out  # type: ignore[return-value]
@@ -298,8 +301,9 @@ class Tokenizer:
         """The vocabulary's token for each id (ids known to be in range)."""
         return [self.backend.id_to_token(i) or "" for i in ids]
 
-    def check_ids(self, seqs: list[list[int]]) -> None:
-        for i, seq in enumerate(seqs):
+    def check_ids(self, seqs: list[list[int]], first: int = 0) -> None:
+        """`first`: the index of seqs[0] in its request, for the message."""
+        for i, seq in enumerate(seqs, first):
             for t in seq:
                 if not 0 <= t < self.vocab_size:
                     raise InvalidTokenError(

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from embed_service.layers.linear import dense, onednn_bf16
+from embed_service.ops import fused
 
 
 def _gelu_new(x: torch.Tensor) -> torch.Tensor:
@@ -32,10 +33,35 @@ def get_activation(name: str):
         raise ValueError(f"unsupported activation {name!r}; supported: {sorted(ACTIVATIONS)}") from None
 
 
+# The activations a gated kernel computes (kernels/activation.py), by the names configs use.
+GATED_KERNELS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+}
+
+
+def act_and_mul(x: torch.Tensor, name: str) -> torch.Tensor:
+    """A gated MLP's activation on a merged [gate | up] projection: (T, 2I) -> (T, I), act(gate) * up.
+
+    One pass over the row with the Triton kernel (ops/fused.py chooses); the reference below elsewhere.
+    """
+    if (k := fused.kernels()) is not None and name in GATED_KERNELS:
+        return k.act_and_mul(x, GATED_KERNELS[name])
+    return act_and_mul_reference(x, name)
+
+
+def act_and_mul_reference(x: torch.Tensor, name: str) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return get_activation(name)(gate) * up
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU on a merged [gate | up] projection: (T, 2I) -> (T, I)."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return act_and_mul(x, "silu")
 
 
 def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, name: str) -> torch.Tensor:

@@ -1,4 +1,9 @@
-"""Normalization layers. Statistics are taken in float32 whatever the activation dtype."""
+"""Normalization layers. Statistics are taken in float32 whatever the activation dtype.
+
+Both take an optional residual: ``norm(x, residual)`` returns ``(norm(x + residual), x + residual)``, the
+add and the norm in one pass over the row where the Triton kernel runs (ops/fused.py chooses), the plain
+add then the norm elsewhere. The bodies here are the kernels' references.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from embed_service.layers.linear import default_weight_loader
+from embed_service.ops import fused
 
 
 class LayerNorm(nn.Module):
@@ -21,7 +27,17 @@ class LayerNorm(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """(..., H) -> (..., H); with a residual, (normed, x + residual)."""
+        if (k := fused.kernels()) is not None:
+            out, summed = k.add_layer_norm(x, residual, self.weight, self.bias, self.eps)
+            return out if residual is None else (out, summed)
+        if residual is None:
+            return self.reference(x)
+        x = x + residual
+        return self.reference(x), x
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 or (x.device.type == "cpu" and x.dtype == self.weight.dtype):
             # The CPU kernel accumulates bfloat16/float16 in float32 already: no casts, no copies.
             return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
@@ -36,8 +52,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
         self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # As the reference does: normalize in float32, cast back, then scale.
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """(..., H) -> (..., H); with a residual, (normed, x + residual)."""
+        if (k := fused.kernels()) is not None:
+            out, summed = k.add_rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, summed)
+        if residual is None:
+            return self.reference(x)
+        x = x + residual
+        return self.reference(x), x
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        # As transformers does: normalize in float32, cast back, then scale.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from embed_service.ops import fused
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -108,7 +110,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (T, H, D) rotated by cos/sin (T, 1, D); in float32 whatever the activation dtype."""
+    """x (T, H, D) rotated by cos/sin (T, 1, D); in float32 whatever the activation dtype.
+
+    With the Triton kernel (ops/fused.py) x is rotated in place and returned; callers use the result.
+    """
+    if (k := fused.kernels()) is not None and x.stride(-1) == 1:
+        return k.rotary_(x, cos, sin)
+    return apply_rotary_reference(x, cos, sin)
+
+
+def apply_rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The kernel's twin: a new tensor, x unchanged."""
     xf = x.float()
     return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
 

@@ -10,11 +10,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from embed_service.layers.activation import get_activation, linear_act
 from embed_service.layers.embedding import ReplicatedEmbedding, VocabParallelEmbedding
-from embed_service.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from embed_service.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from embed_service.layers.norm import LayerNorm
 from embed_service.models.spec import ModelSpec
 from embed_service.ops.attention import varlen_attention
@@ -38,8 +44,10 @@ class BertEmbeddings(nn.Module):
             batch.positions + self.position_offset
         )
         if self.type_vocab_size:
-            # Single-text inputs: every token is segment 0.
-            x = x + self.token_type_embeddings.weight[0]
+            if batch.token_type_ids is None:  # single texts: every token is segment 0
+                x = x + self.token_type_embeddings.weight[0]
+            else:  # pairs (cross-encoders): the second text is segment 1
+                x = x + self.token_type_embeddings(batch.token_type_ids)
         return self.LayerNorm(x)
 
 
@@ -67,7 +75,7 @@ class BertOutput(nn.Module):
         self.LayerNorm = LayerNorm(cfg["hidden_size"], cfg.get("layer_norm_eps", 1e-12))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
+        return self.LayerNorm(self.dense(x), residual)[0]  # the add fused into the norm where it can be
 
 
 class BertAttention(nn.Module):
@@ -126,7 +134,16 @@ class BertModel(nn.Module):
         "attention.self.value.": ("attention.self.qkv_proj.", "v"),
     }
     checkpoint_prefixes = ("bert.", "model.")
-    ignored_weights = ("pooler.", "cls.", "embeddings.position_ids", "lm_head.")
+    # The pooler and a classifier belong to the scoring head (models/scoring.py), which loads them itself
+    # (a prefix is only stripped before this model's own modules: "bert.pooler." stays as it is).
+    ignored_weights = (
+        "pooler.",
+        "cls.",
+        "embeddings.position_ids",
+        "lm_head.",
+        "classifier.",
+        "bert.pooler.",
+    )
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -137,8 +154,89 @@ class BertModel(nn.Module):
     def forward(self, batch: FlatBatch) -> torch.Tensor:
         return self.encoder(self.embeddings(batch), batch)
 
+    mlm_head_name = "cls"  # where the checkpoint keeps the masked-LM head
+
+    def add_mlm_head(self, cfg: dict[str, Any]) -> None:
+        """Build the masked-LM head, under its checkpoint name (SPLADE models only: a plain embedder never
+        holds the vocabulary-size head)."""
+        head = MLM_HEADS[self.mlm_head_name](cfg, self.embeddings.word_embeddings)
+        self.add_module(self.mlm_head_name, head)
+
+    def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> (N, V_r): the logits of this rank's rows of the vocabulary."""
+        return getattr(self, self.mlm_head_name)(hidden, self.embeddings.word_embeddings.weight)
+
 
 class RobertaModel(BertModel):
     """RoBERTa and XLM-RoBERTa: BERT's layers; positions start after the padding index (the spec's offset)."""
 
     checkpoint_prefixes = ("roberta.",)
+    mlm_head_name = "lm_head"
+
+
+# --- The masked-LM heads (SPLADE models; models/heads.py pools their logits) ---------------------------
+# transform (dense, activation, LayerNorm), then the decoder: the word embeddings (tied, as transformers
+# ties them unless tie_word_embeddings is false) plus a bias. Vocabulary-parallel like the embeddings: each
+# rank scores its own rows of the table (padded rows score 0), so tensor parallelism splits the head's
+# matmul, the largest of a SPLADE model, and nothing is copied.
+
+
+class _MaskedLMDecoder(nn.Module):
+    """The decoder's bias, and its own weight when the checkpoint does not tie it to the word embeddings."""
+
+    def __init__(self, cfg: dict[str, Any], table: VocabParallelEmbedding):
+        super().__init__()
+        self.bias = nn.Parameter(torch.empty(table.per_rank), requires_grad=False)
+        self.bias.weight_loader = table.weight_loader  # type: ignore[attr-defined]  # this rank's rows
+        self.tied = cfg.get("tie_word_embeddings", True) is not False
+        if not self.tied:
+            self.decoder = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
+
+    def decode(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, table if self.tied else self.decoder.weight, self.bias)  # (N, V_r)
+
+
+class BertPredictionHeadTransform(nn.Module):
+    def __init__(self, cfg: dict[str, Any]):
+        super().__init__()
+        self.dense = ReplicatedLinear(cfg["hidden_size"], cfg["hidden_size"])
+        self.act = get_activation(cfg.get("hidden_act", "gelu"))
+        self.LayerNorm = LayerNorm(cfg["hidden_size"], cfg.get("layer_norm_eps", 1e-12))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.act(self.dense(x)))
+
+
+class BertLMPredictionHead(_MaskedLMDecoder):
+    def __init__(self, cfg: dict[str, Any], table: VocabParallelEmbedding):
+        super().__init__(cfg, table)
+        self.transform = BertPredictionHeadTransform(cfg)
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return self.decode(self.transform(x), table)
+
+
+class BertOnlyMLMHead(nn.Module):
+    """``cls.predictions.*`` of BertForMaskedLM (and BertForPreTraining)."""
+
+    def __init__(self, cfg: dict[str, Any], table: VocabParallelEmbedding):
+        super().__init__()
+        self.predictions = BertLMPredictionHead(cfg, table)
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return self.predictions(x, table)
+
+
+class RobertaLMHead(_MaskedLMDecoder):
+    """``lm_head.*`` of RobertaForMaskedLM and XLMRobertaForMaskedLM: exact GELU whatever hidden_act says."""
+
+    def __init__(self, cfg: dict[str, Any], table: VocabParallelEmbedding):
+        super().__init__(cfg, table)
+        self.dense = ReplicatedLinear(cfg["hidden_size"], cfg["hidden_size"])
+        self.layer_norm = LayerNorm(cfg["hidden_size"], cfg.get("layer_norm_eps", 1e-5))
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return self.decode(self.layer_norm(F.gelu(self.dense(x))), table)
+
+
+MLM_HEADS: dict[str, type[nn.Module]] = {"cls": BertOnlyMLMHead, "lm_head": RobertaLMHead}

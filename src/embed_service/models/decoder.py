@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from embed_service.layers.activation import get_activation
+from embed_service.layers.activation import act_and_mul, get_activation
 from embed_service.layers.embedding import VocabParallelEmbedding
 from embed_service.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from embed_service.layers.norm import RMSNorm
@@ -86,11 +86,12 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(
             a.intermediate_size, a.hidden_size, a.mlp_bias, "intermediate size"
         )
-        self.act = get_activation(a.hidden_act)
+        get_activation(a.hidden_act)  # refuse an unknown activation at build time
+        self.act_name = a.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, I_r) each
-        return self.down_proj(self.act(gate) * up)
+        # (T, 2 I_r) -> (T, I_r): act(gate) * up, one kernel where it can be
+        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.act_name))
 
 
 class DecoderLayer(nn.Module):
@@ -104,8 +105,8 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, batch: FlatBatch, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), batch, cos, sin)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        normed, h = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), batch, cos, sin), x)
+        return h + self.mlp(normed)
 
 
 class DecoderModel(nn.Module):

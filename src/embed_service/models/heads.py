@@ -5,6 +5,12 @@ Dense: the pooling, then the sentence-transformers Dense layers. Sparse and ColB
 (BGEM3FlagModel): sparse = ReLU(sparse_linear(h)) per token, the maximum per token id, zero weights
 dropped (the engine drops the special tokens, which the tokenizer knows); ColBERT = colbert_linear over every
 token but the first (CLS), each vector L2-normalized. All in float32, whatever the model's dtype.
+
+SPLADE (sentence-transformers' SparseEncoder: MLMTransformer, then SpladePooling): the masked-LM head's
+logits over the vocabulary per token, in the model's dtype (the head is the checkpoint's own, a part of the
+model); then in float32 log(1 + ReLU(logits)) (``log1p_relu``: log1p once more), the maximum or the sum over
+the sequence's tokens, special tokens included, the zero entries dropped. The (tokens, vocabulary) logits
+never exist whole: they are made a few hundred rows at a time (SPLADE_CHUNK_ELEMENTS).
 """
 
 from __future__ import annotations
@@ -15,7 +21,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from embed_service.outputs import COLBERT, DENSE, SPARSE, OutputRequest, SequenceOutput, Sparse
+from embed_service.models.spec import SpladeSpec
+from embed_service.outputs import COLBERT, DENSE, KINDS, SCORE, SPARSE, OutputRequest, SequenceOutput, Sparse
+from embed_service.parallel import all_gather_last_dim, tp_world_size
+
+# Float32 elements of one (rows, vocabulary) slab of SPLADE logits or pooled rows: 64 MiB, whatever the batch.
+SPLADE_CHUNK_ELEMENTS = 1 << 24
 
 
 def load_linear(path: Path, device: torch.device) -> nn.Linear:
@@ -46,18 +57,22 @@ class OutputHeads(nn.Module):
         dense: nn.ModuleList,
         sparse: nn.Linear | None = None,
         colbert: nn.Linear | None = None,
+        score: nn.Module | None = None,
+        splade: SpladeHead | None = None,
     ):
         super().__init__()
         self.pool = pool
         self.dense = dense
         self.sparse = sparse
         self.colbert = colbert
+        self.score = score  # (T, H), cu_seqlens -> (B, L) logits: models/scoring.py
+        self.splade = splade  # a SPLADE model's sparse output, instead of bge-m3's
 
     def forward(
         self, hidden: torch.Tensor, ids: torch.Tensor, cu_seqlens: torch.Tensor, requests: list[OutputRequest]
     ) -> list[SequenceOutput]:
         outs = [SequenceOutput() for _ in requests]
-        want = {k: [i for i, r in enumerate(requests) if k in r.kinds] for k in (DENSE, SPARSE, COLBERT)}
+        want = {k: [i for i, r in enumerate(requests) if k in r.kinds] for k in KINDS}
         cu = cu_seqlens.tolist()
         if want[DENSE]:
             # Pooling is one pass over the tokens; the Dense layers run on the rows asked for.
@@ -66,10 +81,17 @@ class OutputHeads(nn.Module):
                 pooled = d(pooled)
             for i, row in zip(want[DENSE], pooled.cpu().numpy()):
                 outs[i].dense = row
-        if want[SPARSE]:
+        if want[SPARSE] and self.splade is not None:
+            self.splade(hidden, cu, want[SPARSE], outs)
+        elif want[SPARSE]:
             self._sparse(hidden, ids, cu, want[SPARSE], outs)
         if want[COLBERT]:
             self._colbert(hidden, cu, want[COLBERT], outs)
+        if want[SCORE]:
+            assert self.score is not None, "only scoring models give scores (ModelSpec.outputs)"
+            scores = self.score(hidden.float(), cu_seqlens)[torch.tensor(want[SCORE], device=hidden.device)]
+            for i, row in zip(want[SCORE], scores.cpu().numpy()):
+                outs[i].score = row
         return outs
 
     def _sparse(
@@ -105,3 +127,59 @@ class OutputHeads(nn.Module):
             n = cu[i + 1] - cu[i] - 1
             outs[i].colbert = vectors[start : start + n]
             start += n
+
+
+class SpladeHead:
+    """A SPLADE model's sparse vectors: SpladePooling over the masked-LM logits, per sequence.
+
+    ``logits`` maps (N, hidden) to (N, V_r), this rank's rows of the vocabulary (models/bert.py); each rank
+    pools its own rows (the activation and the pooling are per vocabulary entry, so the split is exact) and
+    the pooled rows are gathered, a group of sequences at a time. Every rank runs the same steps: the
+    gather is a collective.
+    """
+
+    def __init__(self, logits: Callable[[torch.Tensor], torch.Tensor], spec: SpladeSpec, vocab_size: int):
+        self.logits = logits
+        self.spec = spec
+        self.vocab_size = vocab_size
+        self.rows_per_rank = -(-vocab_size // tp_world_size())  # as VocabParallelEmbedding pads
+
+    def _activate(self, logits: torch.Tensor) -> torch.Tensor:
+        x = torch.log1p(torch.relu(logits.float()))
+        return torch.log1p(x) if self.spec.activation_function == "log1p_relu" else x
+
+    def _pool(self, hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """(sum(lengths), hidden) rows of consecutive sequences -> (len(lengths), V_r) pooled, float32."""
+        device = hidden.device
+        seg = torch.repeat_interleave(
+            torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device)
+        )
+        pooled = torch.zeros(len(lengths), self.rows_per_rank, dtype=torch.float32, device=device)
+        step = max(1, SPLADE_CHUNK_ELEMENTS // self.rows_per_rank)
+        for start in range(0, hidden.shape[0], step):
+            act = self._activate(self.logits(hidden[start : start + step]))  # (r, V_r)
+            rows = seg[start : start + step]
+            # The values are >= 0, so a maximum from 0 is the maximum sentence-transformers takes from -inf.
+            if self.spec.pooling_strategy == "max":
+                pooled.scatter_reduce_(0, rows[:, None].expand_as(act), act, "amax")
+            else:
+                pooled.index_add_(0, rows, act)
+        return pooled
+
+    def __call__(
+        self, hidden: torch.Tensor, cu: list[int], seqs: list[int], outs: list[SequenceOutput]
+    ) -> None:
+        group = max(1, SPLADE_CHUNK_ELEMENTS // self.vocab_size)  # sequences whose gathered rows fit
+        for g in range(0, len(seqs), group):
+            part = seqs[g : g + group]
+            rows = _rows(cu, part, skip_first=False).to(hidden.device)
+            pooled = self._pool(hidden[rows], [cu[i + 1] - cu[i] for i in part])
+            pooled = all_gather_last_dim(pooled)[:, : self.vocab_size]  # (n, V): padded rows cut
+            nz = pooled.nonzero()  # (K, 2), row-major: ascending ids within each row
+            values = pooled[nz[:, 0], nz[:, 1]].cpu().numpy()
+            ids = nz[:, 1].to(torch.int32).cpu().numpy()
+            counts = torch.bincount(nz[:, 0], minlength=len(part)).tolist()
+            start = 0
+            for i, n in zip(part, counts):
+                outs[i].sparse = Sparse(ids[start : start + n], values[start : start + n])
+                start += n

@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from embed_service.layers.linear import ReplicatedLinear, default_weight_loader
+from embed_service.models import scoring
 from embed_service.models.checkpoint import weight_files
-from embed_service.models.heads import OutputHeads, load_linear
+from embed_service.models.heads import OutputHeads, SpladeHead, load_linear
 from embed_service.models.spec import DenseSpec, ModelSpec
 from embed_service.ops.batch import FlatBatch, padded_tokens
 from embed_service.ops.pooling import POOLERS
@@ -108,6 +109,8 @@ class Embedder(nn.Module):
             torch.set_default_dtype(dtype)
             with device:
                 self.model = spec.family.load_class()(spec)
+                if spec.splade is not None:  # the masked-LM head, for SPLADE models only
+                    self.model.add_mlm_head(spec.config)
         finally:
             torch.set_default_dtype(prev)
         load_weights(self.model, spec.path)
@@ -121,6 +124,10 @@ class Embedder(nn.Module):
             dense,
             load_linear(spec.sparse_head, device) if spec.sparse_head else None,
             load_linear(spec.colbert_head, device) if spec.colbert_head else None,
+            scoring.load_head(spec, device) if spec.score else None,
+            SpladeHead(self.model.mlm_logits, spec.splade, int(spec.config["vocab_size"]))
+            if spec.splade is not None
+            else None,
         )
 
     @torch.inference_mode()

@@ -11,11 +11,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from embed_service.layers.activation import get_activation
+from embed_service.layers.activation import act_and_mul, get_activation
 from embed_service.layers.embedding import VocabParallelEmbedding
-from embed_service.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from embed_service.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from embed_service.layers.norm import LayerNorm
 from embed_service.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from embed_service.models.spec import ModelSpec
@@ -102,12 +108,13 @@ class ModernBertMLP(nn.Module):
         h, i, bias = cfg["hidden_size"], cfg["intermediate_size"], cfg.get("mlp_bias", False)
         self.Wi = MergedColumnParallelLinear(h, [i, i], bias)
         _load_packed(self.Wi, [0, 1])
-        self.act = get_activation(cfg.get("hidden_activation", "gelu"))
+        self.act_name = cfg.get("hidden_activation", "gelu")
+        get_activation(self.act_name)  # refuse an unknown activation at build time
         self.Wo = RowParallelLinear(i, h, bias, "intermediate size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        inp, gate = self.Wi(x).chunk(2, dim=-1)  # (T, I_r) each
-        return self.Wo(self.act(inp) * gate)
+        # (T, 2 I_r) -> (T, I_r): act(input) * gate, one kernel where it can be
+        return self.Wo(act_and_mul(self.Wi(x), self.act_name))
 
 
 class ModernBertEncoderLayer(nn.Module):
@@ -124,8 +131,8 @@ class ModernBertEncoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, batch: FlatBatch, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), batch, cos, sin)
-        return h + self.mlp(self.mlp_norm(h))
+        normed, h = self.mlp_norm(self.attn(self.attn_norm(x), batch, cos, sin), x)
+        return h + self.mlp(normed)
 
 
 class ModernBertModel(nn.Module):
@@ -153,3 +160,45 @@ class ModernBertModel(nn.Module):
         for layer in self.layers:
             x = layer(x, batch, *tables[layer.kind])
         return self.final_norm(x)
+
+    def add_mlm_head(self, cfg: dict[str, Any]) -> None:
+        """ModernBertForMaskedLM's ``head.*`` and ``decoder.*`` (SPLADE models only), as models/bert.py's."""
+        self.head = ModernBertPredictionHead(cfg)
+        self.decoder = ModernBertDecoder(cfg, self.embeddings.tok_embeddings)
+
+    def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> (N, V_r): the logits of this rank's rows of the vocabulary."""
+        weight = (
+            self.decoder.weight if self.decoder.weight is not None else self.embeddings.tok_embeddings.weight
+        )
+        return F.linear(self.head(hidden), weight, self.decoder.bias)
+
+
+class ModernBertPredictionHead(nn.Module):
+    """dense (classifier_bias), classifier_activation, norm."""
+
+    def __init__(self, cfg: dict[str, Any]):
+        super().__init__()
+        h = cfg["hidden_size"]
+        self.dense = ReplicatedLinear(h, h, bias=cfg.get("classifier_bias", False))
+        self.act = get_activation(cfg.get("classifier_activation", "gelu"))
+        self.norm = _norm(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.act(self.dense(x)))
+
+
+class ModernBertDecoder(nn.Module):
+    """The decoder's bias (decoder_bias) and, untied only, its weight: this rank's vocabulary rows, as the
+    embedding table it is otherwise tied to."""
+
+    def __init__(self, cfg: dict[str, Any], table: VocabParallelEmbedding):
+        super().__init__()
+        self.weight: nn.Parameter | None = None
+        self.bias: nn.Parameter | None = None
+        if cfg.get("tie_word_embeddings", True) is False:
+            self.weight = nn.Parameter(torch.empty_like(table.weight), requires_grad=False)
+            self.weight.weight_loader = table.weight_loader  # type: ignore[attr-defined]
+        if cfg.get("decoder_bias", True):
+            self.bias = nn.Parameter(torch.empty(table.per_rank), requires_grad=False)
+            self.bias.weight_loader = table.weight_loader  # type: ignore[attr-defined]

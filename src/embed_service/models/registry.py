@@ -120,6 +120,11 @@ ARCHITECTURES: dict[str, Family] = {
     "Qwen2ForCausalLM": _QWEN2,
     "Qwen3Model": _QWEN3,
     "Qwen3ForCausalLM": _QWEN3,
+    # Cross-encoders and sequence classifiers: the same backbones, and a scoring head (models/scoring.py).
+    "BertForSequenceClassification": _BERT,
+    "RobertaForSequenceClassification": _ROBERTA,
+    "XLMRobertaForSequenceClassification": _ROBERTA,
+    "ModernBertForSequenceClassification": _MODERNBERT,
     # RoBERTa under other names: the same layers and checkpoint layout (prefix "roberta.").
     "CamembertModel": _ROBERTA,
     "CamembertForMaskedLM": _ROBERTA,
@@ -132,6 +137,9 @@ ARCHITECTURES: dict[str, Family] = {
     "Gemma3TextModel": _GEMMA3,
     "Gemma3ForCausalLM": _GEMMA3,
 }
+
+# The scoring head of each family's *ForSequenceClassification checkpoints (models/scoring.py SCORERS).
+SCORING_HEADS = {"BertModel": "bert", "RobertaModel": "roberta", "ModernBertModel": "modernbert"}
 
 # For configs without an `architectures` list.
 MODEL_TYPES: dict[str, Family] = {

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from embed_service.models.registry import Family, resolve_family
+from embed_service.models.registry import SCORING_HEADS, Family, resolve_family
 
 # sentence-transformers' pooling modes, by their names in the current `pooling_mode` key -> ours.
 _POOLING_MODES = {
@@ -50,6 +50,58 @@ class DenseSpec:
     activation: str
 
 
+# sentence-transformers CrossEncoder activations (activation_fn), by their dotted paths -> ours.
+_CE_ACTIVATIONS = {
+    "torch.nn.modules.activation.Sigmoid": "sigmoid",
+    "torch.nn.modules.linear.Identity": "identity",
+    "torch.nn.modules.activation.Tanh": "tanh",
+    "torch.nn.Sigmoid": "sigmoid",
+    "torch.nn.Identity": "identity",
+    "torch.nn.Tanh": "tanh",
+}
+
+
+@dataclass(frozen=True)
+class ScoreSpec:
+    """A scoring model's head and how its logits become scores (models/scoring.py, engine/scoring.py).
+
+    rerank_activation: what CrossEncoder.predict applies (its saved ``activation_fn``, else sigmoid for one
+    label, identity for several). classify_activation: what the transformers text-classification pipeline
+    applies (by ``problem_type``: sigmoid for multi-label or one label, softmax for single-label or several,
+    none for regression).
+    """
+
+    head: str  # "bert", "roberta", "modernbert" (a classifier) or "yes_no" (an LLM reranker)
+    labels: tuple[str, ...]  # id2label, in label order
+    rerank_activation: str
+    classify_activation: str
+    yes_no_ids: tuple[int, int] | None = None  # the LLM reranker's (no, yes) token ids
+
+
+# sentence-transformers' SparseEncoder (SPLADE): the architectures whose masked-LM head models/bert.py builds,
+# and the SpladePooling options (sparse_encoder/modules/splade_pooling.py).
+SPLADE_ARCHITECTURES = frozenset(
+    {
+        "BertForMaskedLM",
+        "BertForPreTraining",
+        "RobertaForMaskedLM",
+        "XLMRobertaForMaskedLM",
+        "ModernBertForMaskedLM",  # its head: models/modernbert.py
+    }
+)
+_SPLADE_POOLING = ("max", "sum")
+_SPLADE_ACTIVATIONS = ("relu", "log1p_relu")
+
+
+@dataclass(frozen=True)
+class SpladeSpec:
+    """A SpladePooling module over the MLM logits: per token log(1 + ReLU(logits)) (``log1p_relu``: log1p
+    once more), then the maximum (``max``) or the sum (``sum``) over the tokens, per vocabulary entry."""
+
+    pooling_strategy: str = "max"
+    activation_function: str = "relu"
+
+
 @dataclass
 class ModelSpec:
     path: Path
@@ -69,16 +121,31 @@ class ModelSpec:
     """bge-m3's sparse_linear.pt (lexical weights), when the folder has it."""
     colbert_head: Path | None = None
     """bge-m3's colbert_linear.pt (multi-vector), when the folder has it."""
+    score: ScoreSpec | None = None
+    """A cross-encoder or classifier (*ForSequenceClassification): it scores and does not embed."""
+    splade: SpladeSpec | None = None
+    """A SPLADE model (modules.json lists SpladePooling): its output is the vocabulary-size sparse vector
+    of the MLM head's logits, and it gives no dense output."""
 
     @property
     def outputs(self) -> frozenset[str]:
-        """The output kinds this model gives: dense always, sparse and colbert with bge-m3's heads."""
+        """The output kinds this model gives: a scoring model scores only; an embedding model gives dense,
+        and sparse and colbert with bge-m3's heads; a SPLADE model sparse only."""
+        if self.score is not None:
+            return frozenset({"score"})
+        if self.splade is not None:
+            return frozenset({"sparse"})
         kinds = {"dense"}
         if self.sparse_head is not None:
             kinds.add("sparse")
         if self.colbert_head is not None:
             kinds.add("colbert")
         return frozenset(kinds)
+
+    @property
+    def default_outputs(self) -> frozenset[str]:
+        """What a request that names no outputs gets: sparse for a SPLADE model, else dense."""
+        return frozenset({"sparse" if self.splade is not None else "dense"})
 
     @property
     def hidden_size(self) -> int:
@@ -109,6 +176,10 @@ class ModelSpec:
 
     @property
     def dimension(self) -> int:
+        """The dense vector's size; for a SPLADE model the sparse vector's (the vocabulary), as
+        sentence-transformers' SparseEncoder reports it."""
+        if self.splade is not None:
+            return int(self.config["vocab_size"])
         return self.dense[-1].out_features if self.dense else self.hidden_size
 
     @property
@@ -175,7 +246,7 @@ def _st_modules(path: Path) -> list[dict[str, Any]]:
     return _read_json(modules) if modules.is_file() else []
 
 
-def load_spec(path: str | Path, max_input_length: int | None = None) -> ModelSpec:
+def load_spec(path: str | Path, max_input_length: int | None = None, llm_reranker: bool = False) -> ModelSpec:
     path = Path(path).resolve()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
@@ -186,6 +257,7 @@ def load_spec(path: str | Path, max_input_length: int | None = None) -> ModelSpe
     config = family.standard_config(config)
     pooling, normalize = family.default_pooling, family.default_normalize
     dense: list[DenseSpec] = []
+    splade: SpladeSpec | None = None
     modules = _st_modules(path)
     if modules:
         normalize = False  # with sentence-transformers files, Normalize is on only when listed
@@ -198,8 +270,12 @@ def load_spec(path: str | Path, max_input_length: int | None = None) -> ModelSpe
                 normalize = True
             elif kind == "Dense":
                 dense.append(_dense(mpath))
-            elif kind not in ("Transformer", "Pooling"):
+            elif kind == "SpladePooling":
+                splade = _splade_pooling(mpath)
+            elif kind not in ("Transformer", "MLMTransformer"):
                 raise ValueError(f"unsupported sentence-transformers module {m.get('type')}")
+        if splade is not None or any(m.get("type", "").endswith("MLMTransformer") for m in modules):
+            _check_splade(path, architecture, modules)
     width = int(config["hidden_size"])
     for d in dense:  # each Dense takes what the one before gives
         if d.in_features != width:
@@ -221,6 +297,10 @@ def load_spec(path: str | Path, max_input_length: int | None = None) -> ModelSpe
         # bge-m3's layout: the heads beside the transformer's weights (FlagEmbedding loads them by name).
         sparse_head=path / "sparse_linear.pt" if (path / "sparse_linear.pt").is_file() else None,
         colbert_head=path / "colbert_linear.pt" if (path / "colbert_linear.pt").is_file() else None,
+        score=_llm_reranker(path, family)
+        if llm_reranker
+        else _score_spec(path, config, architecture, family),
+        splade=splade,
     )
     spec.max_input_length = max_input_length or default_max_length(path, position_limit)
     if spec.max_input_length > position_limit:
@@ -228,6 +308,60 @@ def load_spec(path: str | Path, max_input_length: int | None = None) -> ModelSpe
             f"max input length {spec.max_input_length} exceeds the model's {position_limit} positions"
         )
     return spec
+
+
+def _score_spec(path: Path, config: dict[str, Any], architecture: str, family: Family) -> ScoreSpec | None:
+    """The scoring head of a *ForSequenceClassification checkpoint, with its labels and activations."""
+    if not architecture.endswith("ForSequenceClassification"):
+        return None
+    id2label = config.get("id2label") or {}
+    try:
+        labels = tuple(str(id2label[k]) for k in sorted(id2label, key=int))
+    except (TypeError, ValueError):
+        raise ValueError(f"{path / 'config.json'}: id2label keys must be label indices") from None
+    if not labels:
+        n = config.get("num_labels", 2)
+        labels = tuple(f"LABEL_{i}" for i in range(n if isinstance(n, int) and n > 0 else 2))
+    # CrossEncoder's activation: sentence-transformers 6 saves it in config_sentence_transformers.json,
+    # 4 and 5 in config.json, older versions under another key.
+    st_file = path / "config_sentence_transformers.json"
+    st = _read_json(st_file) if st_file.is_file() else {}
+    saved = (
+        (st.get("activation_fn") if isinstance(st, dict) else None)
+        or (config.get("sentence_transformers") or {}).get("activation_fn")
+        or config.get("sbert_ce_default_activation_function")
+    )
+    if saved is not None and saved not in _CE_ACTIVATIONS:
+        raise ValueError(f"{path}: unsupported cross-encoder activation {saved!r}")
+    rerank = _CE_ACTIVATIONS[saved] if saved else ("sigmoid" if len(labels) == 1 else "identity")
+    problem = config.get("problem_type")
+    if problem == "regression":
+        classify = "identity"
+    elif problem == "multi_label_classification" or len(labels) == 1:
+        classify = "sigmoid"
+    else:
+        classify = "softmax"
+    return ScoreSpec(SCORING_HEADS[family.cls], labels, rerank, classify)
+
+
+def _vocab_id(path: Path, token: str) -> int:
+    """A token's id from tokenizer.json (its added tokens, then the model's vocabulary)."""
+    tok = _read_json(path / "tokenizer.json") if (path / "tokenizer.json").is_file() else {}
+    for added in tok.get("added_tokens") or []:
+        if added.get("content") == token:
+            return int(added["id"])
+    vocab = (tok.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict) and token in vocab:
+        return int(vocab[token])
+    raise ValueError(f"{path / 'tokenizer.json'}: no {token!r} token, which an LLM reranker scores")
+
+
+def _llm_reranker(path: Path, family: Family) -> ScoreSpec:
+    """Qwen3-Reranker style (--llm-reranker): a causal LM's `no` and `yes` logits at the last token."""
+    if not family.causal:
+        raise ValueError(f"--llm-reranker needs a causal LM (*ForCausalLM); {family.cls} is an encoder")
+    ids = (_vocab_id(path, "no"), _vocab_id(path, "yes"))
+    return ScoreSpec("yes_no", ("yes",), "yes_no", "yes_no", yes_no_ids=ids)
 
 
 def _pooling_mode(mpath: Path) -> str:
@@ -250,6 +384,39 @@ def _pooling_mode(mpath: Path) -> str:
             f"with {chosen} pooling"
         )
     return chosen
+
+
+def _splade_pooling(mpath: Path) -> SpladeSpec:
+    """A SpladePooling module's options from its config.json, refusing values sentence-transformers refuses."""
+    file = mpath / "config.json"
+    cfg = _read_json(file) if file.is_file() else {}
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{file}: not a JSON object")
+    spec = SpladeSpec(cfg.get("pooling_strategy", "max"), cfg.get("activation_function", "relu"))
+    if spec.pooling_strategy not in _SPLADE_POOLING:
+        raise ValueError(
+            f"{file}: pooling_strategy {spec.pooling_strategy!r} is not one of {_SPLADE_POOLING}"
+        )
+    if spec.activation_function not in _SPLADE_ACTIVATIONS:
+        raise ValueError(
+            f"{file}: activation_function {spec.activation_function!r} is not one of {_SPLADE_ACTIVATIONS}"
+        )
+    return spec
+
+
+def _check_splade(path: Path, architecture: str, modules: list[dict[str, Any]]) -> None:
+    """SpladePooling reads MLM logits: the checkpoint must be a masked LM whose head we build, and nothing
+    but the transformer may stand before the pooling (a dense Pooling or Dense module beside it is refused)."""
+    kinds = [m.get("type", "").rsplit(".", 1)[-1] for m in modules]
+    if kinds[-1:] != ["SpladePooling"] or any(k not in ("Transformer", "MLMTransformer") for k in kinds[:-1]):
+        raise ValueError(
+            f"{path / 'modules.json'}: a SPLADE model is a transformer then SpladePooling, found {kinds}"
+        )
+    if architecture not in SPLADE_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: SpladePooling needs a masked-LM checkpoint with its head "
+            f"({', '.join(sorted(SPLADE_ARCHITECTURES))}); config.json names {architecture}"
+        )
 
 
 def _prompts(path: Path) -> tuple[dict[str, str], str | None]:

@@ -25,6 +25,43 @@ try:  # optional: the `gpu` extra
 except Exception:  # ImportError, or a build that does not match this torch
     flash_attn_varlen_func = None
 
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def backend_name(device_type: str, dtype: torch.dtype, flash_available: bool | None = None) -> str:
+    """The attention kernel a worker on this device and dtype runs, as /info reports it.
+
+    The one decision varlen_attention follows per call (a float32 call on CUDA, such as the fidelity
+    check's reference pass, takes SDPA): flash-attn's varlen kernel on CUDA in float16/bfloat16 when it
+    imports; on a CPU the project's compiled kernel when it builds; else torch's SDPA over length groups.
+    """
+    flash = flash_attn_varlen_func is not None if flash_available is None else flash_available
+    if device_type == "cuda" and flash and dtype in FLASH_DTYPES:
+        return "flash-attn"
+    if device_type == "cpu" and attention_kernel() is not None:
+        return "cpu-kernel"
+    return "sdpa"
+
+
+def flash_varlen_kwargs(
+    batch: FlatBatch, causal: bool, scale: float, window: int | None
+) -> dict[str, object]:
+    """flash_attn_varlen_func's arguments past q, k, v for one flat batch.
+
+    k and v go in with their own (fewer) heads: flash-attn groups query heads over them itself, so GQA
+    repeats nothing. A sliding window is (left, right) keys around the query: (w, 0) when causal (no key
+    ahead of the query), (w, w) for a bidirectional local layer; (-1, -1) is no window.
+    """
+    return {
+        "cu_seqlens_q": batch.cu_seqlens,
+        "cu_seqlens_k": batch.cu_seqlens,
+        "max_seqlen_q": batch.max_seqlen,
+        "max_seqlen_k": batch.max_seqlen,
+        "softmax_scale": scale,
+        "causal": causal,
+        "window_size": (-1, -1) if window is None else (window, 0 if causal else window),
+    }
+
 
 def varlen_attention(
     q: torch.Tensor,
@@ -42,19 +79,8 @@ def varlen_attention(
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if window is not None and window >= batch.max_seqlen - 1:
         window = None  # the window covers every sequence of this batch
-    if flash_attn_varlen_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        return flash_attn_varlen_func(
-            q,
-            k,
-            v,
-            batch.cu_seqlens,
-            batch.cu_seqlens,
-            batch.max_seqlen,
-            batch.max_seqlen,
-            softmax_scale=scale,
-            causal=causal,
-            window_size=(-1, -1) if window is None else (window, 0 if causal else window),
-        )
+    if flash_attn_varlen_func is not None and q.is_cuda and q.dtype in FLASH_DTYPES:
+        return flash_attn_varlen_func(q, k, v, **flash_varlen_kwargs(batch, causal, scale, window))
     kernel = attention_kernel() if q.device.type == "cpu" else None
     if kernel is not None and kernel.supports(q, k, v):
         return kernel(q, k, v, batch.cu_seqlens, batch.max_seqlen, causal, scale, window)

@@ -24,14 +24,16 @@ class FlatBatch:
     """Sequences laid end to end.
 
     input_ids, positions: (T,) int64; cu_seqlens: (B + 1,) int32 with cu_seqlens[0] = 0 and [-1] = T.
-    Positions restart at 0 for each sequence. The length groups that attention pads by are derived once
-    per batch and shared by every layer.
+    Positions restart at 0 for each sequence. token_type_ids: (T,) int64, or None when every token is type 0
+    (single texts). The length groups that attention pads by are derived once per batch and shared by
+    every layer.
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     cu_seqlens: torch.Tensor
     max_seqlen: int
+    token_type_ids: torch.Tensor | None = None
     _groups: list[LengthGroup] | None = field(default=None, repr=False)
 
     @property
@@ -39,13 +41,21 @@ class FlatBatch:
         return self.cu_seqlens.numel() - 1
 
     @classmethod
-    def from_lengths(cls, input_ids: torch.Tensor, lengths: list[int]) -> FlatBatch:
+    def from_lengths(
+        cls, input_ids: torch.Tensor, lengths: list[int], second_segments: list[int] | None = None
+    ) -> FlatBatch:
+        """`second_segments`: per sequence, the position its token type 1 starts at (0: none); see
+        outputs.OutputRequest.second_segment."""
         lens = torch.tensor(lengths, dtype=torch.int32)
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         torch.cumsum(lens, 0, out=cu[1:])
         starts = torch.repeat_interleave(cu[:-1].long(), lens.long())
         positions = torch.arange(int(cu[-1]), dtype=torch.long) - starts
-        return cls(input_ids.to(torch.long), positions, cu, max(lengths))
+        types = None
+        if second_segments is not None and any(second_segments):
+            split = torch.tensor([s or n for s, n in zip(second_segments, lengths)], dtype=torch.long)
+            types = (positions >= torch.repeat_interleave(split, lens.long())).long()
+        return cls(input_ids.to(torch.long), positions, cu, max(lengths), types)
 
     def padded(self, total: int, max_len: int = 64) -> FlatBatch:
         """This batch with dummy sequences (token 0, at most `max_len` long) appended up to `total` tokens.
@@ -61,11 +71,19 @@ class FlatBatch:
         cu = torch.cat([self.cu_seqlens, self.cu_seqlens[-1] + torch.cumsum(lens, 0, dtype=torch.int32)])
         ids = torch.cat([self.input_ids, torch.zeros(extra, dtype=self.input_ids.dtype)])
         positions = torch.cat([self.positions, torch.cat([torch.arange(n) for n in lengths])])
-        return FlatBatch(ids, positions, cu, max(self.max_seqlen, max(lengths)))
+        types = self.token_type_ids
+        if types is not None:
+            types = torch.cat([types, torch.zeros(extra, dtype=types.dtype)])
+        return FlatBatch(ids, positions, cu, max(self.max_seqlen, max(lengths)), types)
 
     def to(self, device: torch.device | str) -> FlatBatch:
+        types = self.token_type_ids
         return FlatBatch(
-            self.input_ids.to(device), self.positions.to(device), self.cu_seqlens.to(device), self.max_seqlen
+            self.input_ids.to(device),
+            self.positions.to(device),
+            self.cu_seqlens.to(device),
+            self.max_seqlen,
+            None if types is None else types.to(device),
         )
 
     def length_groups(self, ratio: float) -> list[LengthGroup]:

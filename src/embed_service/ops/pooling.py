@@ -1,8 +1,16 @@
-"""Pooling on the flat token stream, in float32. The pooled token comes from cu_seqlens, never from padding."""
+"""Pooling on the flat token stream, in float32. The pooled token comes from cu_seqlens, never from padding.
+
+The functions here are the references of the pooling kernel (kernels/pooling.py); ``pool`` is the entry
+point that takes the kernel where ops/fused.py chose it (mean, CLS, last token), fused with the Matryoshka
+slice and L2 normalization.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+from embed_service.ops import fused
 
 
 def pool_cls(hidden: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -39,10 +47,32 @@ def pool_max(hidden: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     return out.scatter_reduce_(0, index, hidden.float(), "amax", include_self=True)
 
 
-POOLERS = {
+REFERENCES = {
     "cls": pool_cls,
     "mean": pool_mean,
     "mean_sqrt_len": lambda h, cu: pool_mean(h, cu, sqrt_len=True),
     "max": pool_max,
     "last": pool_last_token,
 }
+
+
+def pool(
+    hidden: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    mode: str,
+    dimensions: int | None = None,
+    normalize: bool = False,
+) -> torch.Tensor:
+    """(T, H) -> (B, dimensions or H) float32: pooled by `mode`, the first `dimensions` features kept, then
+    L2-normalized (as F.normalize) when asked."""
+    k = fused.kernels()
+    if k is not None and mode in ("mean", "cls", "last"):
+        return k.pool_normalize(hidden, cu_seqlens, mode, dimensions, normalize)
+    pooled = REFERENCES[mode](hidden, cu_seqlens)
+    if dimensions is not None:
+        pooled = pooled[:, :dimensions]
+    return F.normalize(pooled, dim=-1) if normalize else pooled
+
+
+# By the names ModelSpec.pooling uses: (T, H), cu_seqlens -> (B, H) float32.
+POOLERS = {name: (lambda h, cu, name=name: pool(h, cu, name)) for name in REFERENCES}

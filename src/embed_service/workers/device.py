@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from embed_service.plan import Machine
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -31,21 +33,21 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def check_world_size(device: str, world_size: int) -> None:
-    """One GPU per rank on CUDA; on the CPU the ranks share the cores (see --num-threads)."""
-    if device == "cuda" and world_size > torch.cuda.device_count():
-        raise ValueError(
-            f"--tensor-parallel-size {world_size} needs {world_size} GPUs, "
-            f"{torch.cuda.device_count()} visible"
-        )
-
-
 def resolve_dtype(dtype: str, device: str) -> str:
-    if dtype != "auto":
+    """--dtype for the workers. On CUDA ``auto`` stays ``auto``: each worker decides from its own GPU
+    (cuda_dtype_for), and the server process creates no CUDA context."""
+    if dtype != "auto" or device == "cuda":
         return dtype
-    if device == "cuda":
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     return "bfloat16" if cpu_has_bf16() else "float32"
+
+
+def cuda_dtype_for(capability: tuple[int, int]) -> str:
+    """``--dtype auto`` on a GPU of this compute capability: bfloat16 from Ampere (8.0) on, float16 before.
+
+    Not torch.cuda.is_bf16_supported(): it says True on Volta and Turing (V100, T4), which emulate bfloat16
+    at a fraction of their float16 speed.
+    """
+    return "bfloat16" if tuple(capability) >= (8, 0) else "float16"
 
 
 # --- what the container grants ---------------------------------------------------------------------------
@@ -137,3 +139,19 @@ def available_memory() -> int | None:
     if limit is not None:
         memory = limit if memory is None else min(memory, limit)
     return memory
+
+
+# --- the resource plan's devices (plan.py) ---------------------------------------------------------------
+
+
+def rank_device(device: str, devices: tuple[str, ...], rank: int) -> torch.device:
+    """The device a worker of `rank` runs on: its replica's from the resource plan (plan.py), else (no plan)
+    ``cuda:rank`` on CUDA and the CPU elsewhere."""
+    if devices:
+        return torch.device(devices[rank])
+    return torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+
+
+def this_machine(cuda: bool) -> Machine:
+    """The cores, memory and (when a model runs on CUDA) the visible GPUs, for the resource plan."""
+    return Machine(available_cores(), torch.cuda.device_count() if cuda else 0, available_memory())

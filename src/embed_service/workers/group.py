@@ -56,7 +56,8 @@ def describe_exit(rank: int, pid: int | None, exitcode: int | None) -> str:
 
 
 class WorkerGroup:
-    """The worker processes of one model, started together and stopped together."""
+    """The worker processes of one replica of a model, started together and stopped together; rank r runs
+    on ``cfg.devices[r]`` (the replica's own devices in the resource plan)."""
 
     def __init__(
         self,
@@ -64,6 +65,8 @@ class WorkerGroup:
         on_death: Callable[[str], None] | None = None,
         batch_timeout: float | None = None,
     ):
+        if cfg.devices and len(cfg.devices) != cfg.world_size:  # a plan that does not fit the group
+            raise ValueError(f"{len(cfg.devices)} devices for {cfg.world_size} ranks: {cfg.devices}")
         self.cfg = cfg
         self.on_death = on_death
         self.batch_timeout = batch_timeout  # seconds; None: wait as long as the workers live

@@ -1,6 +1,7 @@
 """The body of one worker process: build this rank's shard of the model, warm up, then run batches.
 
-Messages in: ("run", ids (T,) int32, lengths (B,) int32, requests: B OutputRequests) or ("stop",). Messages
+Messages in: ("run", ids (T,) int32, lengths (B,) int32, requests: B OutputRequests, which carry each
+sequence's token types too) or ("stop",). Messages
 out: ("log", text) and ("ready", info) while starting; then, from rank 0 only, ("ok", B SequenceOutputs, in
 batch order, each with the kinds its sequence asked for) or ("error", text) per batch (outputs.py). A parent that goes away closes the pipe, and the worker exits.
 
@@ -29,11 +30,46 @@ HEARTBEAT_INTERVAL_S = 0.25
 class WorkerConfig:
     model_path: str
     max_input_length: int
-    dtype: str
+    dtype: str  # "auto" on CUDA: each worker decides from its GPU (workers/device.cuda_dtype_for)
     device: str
     num_threads: int
     world_size: int
     dist_port: int
+    llm_reranker: bool = False  # Settings.llm_reranker: the spec is read with it
+    max_batch_tokens: int = 0  # the largest batch serving forms; 0: 2 x max_input_length
+    fidelity_min_cosine: float = 0.999  # --fidelity-min-cosine (workers/fidelity.py); 0: not checked
+    fidelity_warn_only: bool = False  # --fidelity-warn-only
+    devices: tuple[str, ...] = ()  # one per rank, from the resource plan (plan.py); empty: cuda:rank or cpu
+
+
+# An error after which the device cannot be trusted: a CUDA device-side assert or an illegal memory access
+# leaves the context poisoned (every later call fails the same way), so the worker exits and its replica
+# is restarted (engine/replicas.py) instead of answering errors forever.
+FATAL_MARKERS = (
+    "device-side assert",
+    "illegal memory access",
+    "CUDA error",
+    "CUBLAS_STATUS",
+    "CUDNN_STATUS",
+    "NCCL error",
+    "unspecified launch failure",
+)
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """Whether this process's device is unusable after `exc` (an out-of-memory is not: see run_splitting)."""
+    import torch
+
+    if isinstance(exc, torch.OutOfMemoryError):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8 raises it for CUDA errors
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in FATAL_MARKERS)
+
+
+class BatchOutOfMemory(RuntimeError):
+    """A batch (after splitting down to one sequence) did not fit in the device's memory."""
 
 
 def die_with_parent() -> None:
@@ -86,24 +122,36 @@ def worker_main(rank: int, cfg: WorkerConfig, conn: Connection, heartbeat: Any =
             conn.send(("fatal", traceback.format_exc()))
         except Exception:
             pass
-        sys.exit(1)
+        # At once, without the interpreter's shutdown: tearing down a process group whose peers sit in a
+        # collective, or a poisoned CUDA context, can block, and the group learns of the failure from the
+        # exit (workers/group.py names the worker that exited).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
+    import numpy as np
     import torch
     import torch.distributed as dist
 
     from embed_service.models.loader import Embedder
     from embed_service.models.spec import load_spec
+    from embed_service.ops import attention, fused
     from embed_service.ops.batch import FlatBatch
-    from embed_service.outputs import OutputRequest
+    from embed_service.outputs import DENSE, OutputRequest
     from embed_service.parallel import set_tensor_parallel
-    from embed_service.workers.device import DTYPES
+    from embed_service.workers import fidelity, null_model
+    from embed_service.workers.device import DTYPES, cuda_dtype_for, rank_device
 
     torch.set_num_threads(cfg.num_threads)
-    device = torch.device("cuda", rank) if cfg.device == "cuda" else torch.device("cpu")
+    device = rank_device(cfg.device, cfg.devices, rank)
     if cfg.device == "cuda":
         torch.cuda.set_device(device)
+    dtype = cfg.dtype
+    if dtype == "auto":  # only on CUDA (resolve_dtype decides the CPU's in the server)
+        dtype = cuda_dtype_for(torch.cuda.get_device_capability(device))
+    status_group = None
     if cfg.world_size > 1:
         dist.init_process_group(
             "nccl" if cfg.device == "cuda" else "gloo",
@@ -112,8 +160,14 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
             world_size=cfg.world_size,
             timeout=timedelta(seconds=60),
         )
+        # The ranks agree on each batch's outcome over a CPU group with a short timeout: a rank that ran
+        # out of memory alone leaves the others in a collective it never joins, and then times out here
+        # and exits (the replica restarts) instead of the group hanging until the batch deadline.
+        status_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=STATUS_TIMEOUT_S))
     set_tensor_parallel(rank, cfg.world_size)
-    spec = load_spec(cfg.model_path, cfg.max_input_length)
+    spec = load_spec(cfg.model_path, cfg.max_input_length, cfg.llm_reranker)
+    kernels = fused.configure(device.type)  # before the model is built: one choice for this worker
+    attention_backend = attention.backend_name(device.type, DTYPES[dtype])
 
     def say(text: str) -> None:
         if rank == 0:
@@ -121,25 +175,82 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
 
     t0 = time.perf_counter()
     say(
-        f"loading weights from {spec.path} ({cfg.dtype}, {cfg.device}, {cfg.world_size} rank(s), "
-        f"{cfg.num_threads} thread(s) each)"
+        f"loading weights from {spec.path} ({dtype}, {cfg.device}, {cfg.world_size} rank(s), "
+        f"{cfg.num_threads} thread(s) each; kernels: {kernels}, attention: {attention_backend})"
     )
-    model = Embedder(spec, DTYPES[cfg.dtype], device).eval()
+    if null_model.wanted():  # benchmarks only: no weights, constant outputs (workers/null_model.py)
+        model: Any = null_model.NullModel(spec.dimension)
+    else:
+        model = Embedder(spec, DTYPES[dtype], device).eval()
     say(f"weights loaded in {time.perf_counter() - t0:.1f}s; warming up")
 
     def run(ids, lengths, requests):
-        batch = FlatBatch.from_lengths(torch.from_numpy(ids), lengths.tolist()).to(device)
+        segments = [r.second_segment for r in requests]  # token types travel with the requests
+        batch = FlatBatch.from_lengths(torch.from_numpy(ids), lengths.tolist(), segments).to(device)
         return model(batch, requests)
 
-    import numpy as np
+    def agree(failed: bool) -> bool:
+        """Whether any rank failed this step (all ranks call it once per attempt)."""
+        if status_group is None:
+            return failed
+        flag = torch.tensor([int(failed)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=status_group)
+        return bool(flag.item())
 
-    everything = [OutputRequest(spec.outputs)] * 2  # warm every head the model has
+    def attempt(ids, lengths, requests):
+        try:
+            out, failed = run(ids, lengths, requests), False
+        except torch.OutOfMemoryError:
+            out, failed = None, True
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if agree(failed):
+            raise BatchOutOfMemory(f"out of memory on a batch of {int(ids.size)} tokens")
+        return out
+
+    def run_splitting(ids, lengths, requests):
+        """A batch that runs out of device memory is run again in halves (every rank the same halves),
+        down to one sequence; what still does not fit fails alone."""
+        try:
+            return attempt(ids, lengths, requests)
+        except BatchOutOfMemory:
+            if len(lengths) == 1:
+                raise
+        half = len(lengths) // 2
+        cut = int(lengths[:half].sum())
+        return run_splitting(ids[:cut], lengths[:half], requests[:half]) + run_splitting(
+            ids[cut:], lengths[half:], requests[half:]
+        )
+
+    everything = [OutputRequest(spec.outputs)]  # warm every head the model has
     t1 = time.perf_counter()
-    n = spec.max_input_length  # the longest shape once, then a short one
-    run(np.ones(n * 2, dtype=np.int32), np.array([n, n], dtype=np.int32), everything)
+    ids, lengths = warmup_shape(spec.max_input_length, cfg.max_batch_tokens, cfg.device)
+    run(ids, lengths, everything * len(lengths))  # the largest batch serving forms: an OOM shows now
     longest_s = time.perf_counter() - t1  # first use included: an upper bound for the shape
-    run(np.ones(32, dtype=np.int32), np.array([16, 16], dtype=np.int32), everything)
-    say(f"warm-up done in {time.perf_counter() - t1:.1f}s")
+    run(np.ones(32, dtype=np.int32), np.array([16, 16], dtype=np.int32), everything * 2)
+    say(f"warm-up done in {time.perf_counter() - t1:.1f}s ({int(ids.size)} tokens)")
+
+    dense = OutputRequest(frozenset({DENSE}))
+    check = fidelity.measure(
+        model,
+        lambda i, n: np.stack([o.dense for o in run(i, n, [dense] * len(n))]),
+        int(spec.config.get("vocab_size") or 1000),
+        spec.max_input_length,
+        cfg.fidelity_min_cosine if DENSE in spec.outputs and not null_model.wanted() else 0.0,
+        fast_is_reference=dtype == "float32" and kernels.startswith("torch"),
+    )
+    if not check.passed:
+        reason = (
+            f"fidelity check failed: the served vectors of {check.inputs} fixed inputs reach a cosine of "
+            f"only {check.min_cosine:.6f} to a float32 reference pass of the same weights (needs "
+            f"{check.threshold}; dtype {dtype}, kernels {kernels}, attention {attention_backend}, "
+            f"{cfg.world_size} rank(s))"
+        )
+        if not cfg.fidelity_warn_only:
+            raise fidelity.FidelityError(reason + "; --fidelity-warn-only serves anyway")
+        say("WARNING: " + reason + "; serving anyway (--fidelity-warn-only)")
+    elif check.min_cosine is not None:
+        say(f"fidelity check: cosine {check.min_cosine:.6f} to the float32 reference (>= {check.threshold})")
     conn.send(
         (
             "ready",
@@ -147,9 +258,13 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
                 "rank": rank,
                 "parameter_bytes": model.parameter_bytes(),
                 "pid": os.getpid(),
-                # Seconds per token of the longest inputs (the dearest per token): what the batch
-                # deadline is derived from.
-                "warmup_seconds_per_token": longest_s / (2 * spec.max_input_length),
+                # Seconds per token of the warm-up's largest batch (of the longest inputs, the dearest per
+                # token): what the batch deadline is derived from.
+                "warmup_seconds_per_token": longest_s / int(ids.size),
+                "dtype": dtype,
+                "kernels": kernels,
+                "attention": attention_backend,
+                "fidelity": check.info(),
             },
         )
     )
@@ -160,11 +275,41 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
             return
         _, ids, lengths, requests = msg
         try:
-            out = run(ids, lengths, requests)
+            out = run_splitting(ids, lengths, requests)
+        except BatchOutOfMemory as exc:  # the batch fails; the worker (and every rank) serves on
+            if rank == 0:
+                conn.send(
+                    ("error", f"{exc}: the device has no memory for it (try a smaller --max-batch-tokens)")
+                )
+            continue
         except Exception as exc:
-            if cfg.world_size > 1:
-                raise  # the ranks are out of step: let the group fail as a whole
+            if cfg.world_size > 1 or is_fatal(exc):
+                # Several ranks: they are out of step. A poisoned device: every later batch would fail.
+                # Exit; the replica is restarted.
+                raise
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
             continue
         if rank == 0:
             conn.send(("ok", out))
+
+
+# Seconds the ranks wait for each other to agree on a batch's outcome (see agree() in _serve).
+STATUS_TIMEOUT_S = 20.0
+
+
+def warmup_shape(max_len: int, max_batch_tokens: int, device: str):
+    """(T,) ids and (B,) lengths of the warm-up batch: the longest inputs, as many as a batch holds.
+
+    On CUDA the whole --max-batch-tokens budget, so that a batch too large for the device's memory fails at
+    start-up, not under traffic. On a CPU two of the longest inputs (memory there is the host's; a full
+    budget would only make every start slower), never more than a batch holds.
+    """
+    import numpy as np
+
+    budget = max_batch_tokens or 2 * max_len
+    if device != "cuda":
+        budget = min(budget, 2 * max_len)
+    lengths = [max_len] * max(1, budget // max_len)
+    if budget > sum(lengths):
+        lengths.append(budget - sum(lengths))
+    return np.ones(sum(lengths), dtype=np.int32), np.array(lengths, dtype=np.int32)

@@ -1,0 +1,442 @@
+"""`Embedder`: the server's engine in your own process, without HTTP.
+
+The same engine, batcher and worker processes the server runs, built from the same `Settings` by the same
+function (server.build_engine), so a vector equals the server's for the same inputs and options, bit for
+bit. Options are checked by the API's own request model (api/schemas.py) and refusals are the engine's
+exceptions (engine/errors.py) with the messages the API sends in its 400s.
+
+The engine is asyncio code. An `Embedder` runs it on an event loop of its own, on a background thread
+that lives until `close()`: `encode` blocks the calling thread on it, `aencode` awaits it from any other
+loop. The worker processes are started from that thread and the kernel kills them when it ends
+(PR_SET_PDEATHSIG), so a process that exits without `close()` leaves none behind.
+
+Worker processes are started with multiprocessing's "spawn": a script that builds an Embedder at import
+time must do so under ``if __name__ == "__main__":``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import threading
+import weakref
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+from pydantic import ValidationError
+
+from embed_service import __version__
+from embed_service.api import encodings
+from embed_service.api.errors import from_validation
+from embed_service.api.routes import embed_options
+from embed_service.api.schemas import EmbeddingRequest, TokenizeRequest
+from embed_service.config import Settings
+from embed_service.engine.admission import input_chars
+from embed_service.engine.engine import EmbedOptions, Engine
+from embed_service.engine.errors import EngineError, InvalidInputError, OverloadedError
+from embed_service.outputs import COLBERT, DENSE, SPARSE, Sparse
+
+T = TypeVar("T")
+
+# Inputs per engine call: small enough that a progress bar moves and that two calls in flight keep every
+# replica's queue full, large enough that the per-call overhead (a few hundred microseconds) is noise.
+PIECE_INPUTS = 512
+PIECES_IN_FLIGHT = 3
+OVERLOADED_RETRY_S = 0.02  # another caller holds the capacity: wait for it rather than fail (no 429 here)
+
+_INDEX = re.compile(r"^input (\d+)\b")
+
+
+@dataclass
+class Encoded:
+    """What one `aembed` call gives: the vectors as asked, and the tokens they cost.
+
+    embeddings: (n, D) float32, or the compact encoding's storage (see `Embedder.encode`); (n, 0) when
+    the dense output was not asked for. sparse / colbert: one entry per input when asked for.
+    """
+
+    embeddings: np.ndarray
+    prompt_tokens: int
+    sparse: list[Sparse] | None = None
+    colbert: list[np.ndarray] | None = None
+
+
+class _Loop:
+    """An event loop on a daemon thread, and the engine that lives on it. Kept apart from `Embedder` so
+    that a finalizer can close it without holding the Embedder alive."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="embed-service-engine", daemon=True)
+        self.thread.start()
+        self.engine: Engine | None = None
+        self.closed = False
+
+    def submit(self, coro: Awaitable[T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
+
+    def run(self, coro: Awaitable[T]) -> T:
+        """Run `coro` on the engine's loop and wait; an interrupt (Ctrl-C) cancels it there."""
+        future = self.submit(coro)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.engine is not None and threading.current_thread() is not self.thread:
+            try:
+                self.run(self.engine.close())
+            finally:
+                self.engine = None
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        if threading.current_thread() is not self.thread:
+            self.thread.join()
+            self.loop.close()
+
+
+class Embedder:
+    """Embed texts in this process with embed-service's engine: ``Embedder(model).encode(texts)``.
+
+    Args:
+        model: a model folder, a Hugging Face cache folder or a repo id, as ``--model``; None: the
+            packaged all-MiniLM-L6-v2.
+        **options: any server setting (docs/configuration.md), by its field name, with the server's
+            defaults: ``dtype`` ("auto", "float32", "bfloat16", "float16"), ``device`` ("auto", "cpu",
+            "cuda"), ``tensor_parallel_size``, ``data_parallel_size`` (replicas), ``num_threads``,
+            ``max_batch_tokens``, ``max_input_length``, ``auto_truncate``, ``served_model_name``,
+            ``revision``, ... ``EMBED_*`` environment variables apply as they do to the server. HTTP
+            settings (host, port, keys, HTTP limits) are accepted and have no effect.
+
+    The constructor returns once the workers have loaded and warmed up. Use it as a context manager, or
+    call `close()`, to stop them. Errors: invalid options raise ``ValueError`` (pydantic's
+    ``ValidationError`` for a setting); a model that cannot be served raises ``ValueError`` with the line
+    the server prints; a request the API would refuse raises `InvalidInputError` (param: the field at
+    fault) with the API's message.
+    """
+
+    def __init__(self, model: str | os.PathLike[str] | None = None, **options: Any):
+        unknown = sorted(set(options) - set(Settings.model_fields) - {"model"})
+        if unknown:
+            raise TypeError(
+                f"Embedder() got unknown options {', '.join(unknown)}; the options are the server's "
+                "settings (docs/configuration.md)"
+            )
+        self.settings = Settings(model=os.fspath(model) if model is not None else None, **options)
+        self._loop = _Loop()
+        self._finalizer = weakref.finalize(self, self._loop.close)
+        try:
+            self._loop.engine = self._loop.run(_start(self.settings))
+        except BaseException:
+            self.close()
+            raise
+        self._engine: Engine = self._loop.engine
+
+    # --- life cycle ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the worker processes and the engine's thread. Idempotent; the Embedder cannot be used after."""
+        self._finalizer()
+
+    def __enter__(self) -> Embedder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _engine_or_raise(self) -> Engine:
+        if self._loop.closed:
+            raise RuntimeError("this Embedder is closed")
+        return self._engine
+
+    # --- what it serves -----------------------------------------------------------------------------
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """What the engine resolved, as the server's /info: model, dimension, max_input_length, dtype,
+        device, replicas, threads, worker pids, ..."""
+        return {**self._engine_or_raise().info(), "version": __version__}
+
+    @property
+    def dimension(self) -> int:
+        """The model's output dimension (before any ``dimensions``)."""
+        return self._engine_or_raise().spec.dimension
+
+    # --- embedding ----------------------------------------------------------------------------------
+
+    def encode(
+        self,
+        inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        *,
+        normalize: bool | None = None,
+        dimensions: int | None = None,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        truncate: bool | None = None,
+        truncation_direction: str = "right",
+        outputs: Sequence[str] | None = None,
+        embed_dtype: str = "float32",
+        embed_ranges: Sequence[Any] | None = None,
+        show_progress_bar: bool = False,
+    ) -> Any:
+        """Embed texts or token ids; the vectors as numpy, equal to the server's for the same request.
+
+        Args:
+            inputs: a text, a list of texts, a list of token ids or a list of token-id lists, as the
+                API's ``input``. Any number of inputs: they are sent to the engine in pieces, several at
+                a time, and the answers are put back in order.
+            normalize: L2-normalize (default: the model's).
+            dimensions: keep the first N features, then normalize (Matryoshka).
+            prompt_name: one of the model's named prompts (``info["prompts"]``), prepended to each text.
+            prompt: a raw prefix for each text, instead of a named prompt.
+            truncate: cut inputs past the max input length (default: ``auto_truncate``); False: an input
+                that is too long is an `InvalidInputError`.
+            truncation_direction: "right" or "left".
+            outputs: the output kinds, from one forward ("dense", "sparse", "colbert"; the last two need a
+                model with those heads). Default: dense only.
+            embed_dtype: "float32" (default), "float16", "bfloat16" (its bits as uint16), "int8",
+                "uint8", "binary" or "ubinary" (int8 / uint8 of 8 packed sign bits), as the API's.
+            embed_ranges: int8/uint8 only: [low, high], or [[lows...], [highs...]] (default [-1, 1]).
+            show_progress_bar: a tqdm bar on stderr, in inputs.
+
+        Returns:
+            Without ``outputs``: the (n, D) array (a single text or token-id list gives one (D,) row).
+            With ``outputs``: a dict with the kinds asked for: "dense" the array, "sparse" a list of
+            `Sparse` (token ids, weights), "colbert" a list of (tokens - 1, C) float32 arrays.
+
+        Raises:
+            InvalidInputError: what the API answers with a 400, with its message.
+        """
+        request = self._request(inputs, locals())
+        encoded = self._loop.run(self._embed(request, show_progress_bar))
+        return _shape(request, encoded, _single(inputs))
+
+    async def aencode(
+        self,
+        inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        *,
+        normalize: bool | None = None,
+        dimensions: int | None = None,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        truncate: bool | None = None,
+        truncation_direction: str = "right",
+        outputs: Sequence[str] | None = None,
+        embed_dtype: str = "float32",
+        embed_ranges: Sequence[Any] | None = None,
+        show_progress_bar: bool = False,
+    ) -> Any:
+        """`encode` for asyncio code: awaits the engine's thread from the caller's loop (cancelling the
+        await cancels the work). Same arguments and result."""
+        request = self._request(inputs, locals())
+        encoded = await asyncio.wrap_future(self._loop.submit(self._embed(request, show_progress_bar)))
+        return _shape(request, encoded, _single(inputs))
+
+    async def aembed(self, inputs: Sequence[str] | Sequence[Sequence[int]], **options: Any) -> Encoded:
+        """`aencode`'s lower level: the `Encoded` result with its token count (``prompt_tokens``)."""
+        request = self._request(inputs, options)
+        return await asyncio.wrap_future(self._loop.submit(self._embed(request, False)))
+
+    def tokenize(
+        self,
+        inputs: str | Sequence[str],
+        *,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        truncate: bool | None = None,
+        truncation_direction: str = "right",
+    ) -> list[list[int]]:
+        """The token ids `encode` would embed for each text, after prompting and truncation (as /tokenize)."""
+        options = {k: v for k, v in locals().items() if k not in ("self", "inputs")}
+        body = _validate(TokenizeRequest, {"input": _plain(inputs), **_given(options)})
+        opts = EmbedOptions(
+            body.truncate, body.truncation_direction, prompt_name=body.prompt_name, prompt=body.prompt
+        )
+        engine = self._engine_or_raise()
+
+        async def run() -> list[list[int]]:
+            parts = await _in_pieces(body.input, engine, opts, lambda piece: engine.tokenize(piece, opts))
+            return [ids for part in parts for ids in part]
+
+        return self._loop.run(run())
+
+    # --- the request ----------------------------------------------------------------------------------
+
+    def _request(self, inputs: Any, options: dict[str, Any]) -> _Request:
+        engine = self._engine_or_raise()
+        options = _given(
+            {k: v for k, v in options.items() if k not in ("self", "inputs", "show_progress_bar")}
+        )
+        body = _validate(EmbeddingRequest, {"input": _plain(inputs), **options})
+        opts = embed_options(body)
+        engine.output_request(opts.outputs)  # a kind the model lacks: refused before any work
+        ranges = encodings.check_ranges(
+            body.embed_dtype, body.embed_ranges, body.dimensions or engine.spec.dimension
+        )
+        return _Request(body, opts, ranges)
+
+    async def _embed(self, request: _Request, progress: bool) -> Encoded:
+        engine = self._engine_or_raise()
+        inputs = request.body.input
+        bar = _progress_bar(len(inputs)) if progress else None
+
+        async def piece(part: list[Any]) -> Any:
+            result = await engine.embed(part, request.opts)
+            if bar is not None:
+                bar.update(len(part))
+            return result
+
+        try:
+            results = await _in_pieces(inputs, engine, request.opts, piece)
+        finally:
+            if bar is not None:
+                bar.close()
+        vectors = (
+            np.concatenate([r.embeddings for r in results]) if len(results) > 1 else results[0].embeddings
+        )
+        kinds = request.opts.outputs or frozenset({DENSE})
+        return Encoded(
+            encodings.encode(vectors, request.body.embed_dtype, request.ranges)
+            if DENSE in kinds
+            else vectors,
+            sum(r.prompt_tokens for r in results),
+            [s for r in results for s in r.sparse] if SPARSE in kinds else None,
+            [c for r in results for c in r.colbert] if COLBERT in kinds else None,
+        )
+
+
+@dataclass
+class _Request:
+    body: EmbeddingRequest
+    opts: EmbedOptions
+    ranges: np.ndarray | None
+
+
+async def _start(settings: Settings) -> Engine:
+    """Build the engine as the server does, on the engine's loop, and wait until it serves."""
+    from embed_service.server import StartupError, build_engine
+
+    try:
+        engine = build_engine(settings)
+    except StartupError as exc:  # a SystemExit for the server's command line; an error here
+        raise ValueError(str(exc.code).removeprefix("embed-service: ")) from None
+    try:
+        await engine.start()
+    except BaseException:
+        await engine.close()
+        raise
+    return engine
+
+
+def _given(options: dict[str, Any]) -> dict[str, Any]:
+    """The options the caller set: None means "the default", as a field left out of a request body."""
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in options.items() if v is not None}
+
+
+def _plain(inputs: Any) -> Any:
+    """numpy arrays of token ids as the lists the request model checks."""
+    if isinstance(inputs, np.ndarray):
+        return inputs.tolist()
+    if isinstance(inputs, (list, tuple)) and inputs and isinstance(inputs[0], np.ndarray):
+        return [x.tolist() for x in inputs]
+    return list(inputs) if isinstance(inputs, tuple) else inputs
+
+
+def _single(inputs: Any) -> bool:
+    """One text, or one list of token ids: the answer is one row, as sentence-transformers gives."""
+    if isinstance(inputs, str):
+        return True
+    if isinstance(inputs, np.ndarray):
+        return inputs.ndim == 1
+    return bool(inputs) and isinstance(inputs, (list, tuple)) and isinstance(inputs[0], (int, np.integer))
+
+
+def _validate(schema: Any, data: dict[str, Any]) -> Any:
+    """The API's request model, applied to keyword arguments; its 400 message as an InvalidInputError."""
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        err = from_validation(exc)
+        raise InvalidInputError(err.message, err.param) from None
+
+
+def _shape(request: _Request, encoded: Encoded, single: bool) -> Any:
+    if request.body.outputs is None:
+        return encoded.embeddings[0] if single else encoded.embeddings
+    result: dict[str, Any] = {}
+    if DENSE in request.body.outputs:
+        result[DENSE] = encoded.embeddings[0] if single else encoded.embeddings
+    if encoded.sparse is not None:
+        result[SPARSE] = encoded.sparse[0] if single else encoded.sparse
+    if encoded.colbert is not None:
+        result[COLBERT] = encoded.colbert[0] if single else encoded.colbert
+    return result
+
+
+def pieces(
+    inputs: Sequence[Any], prompt: str | None, engine: Engine, most: int = PIECE_INPUTS
+) -> list[tuple[int, int]]:
+    """(start, end) of consecutive pieces within the engine's per-request budgets (inputs, characters)."""
+    limits = engine.limits
+    most = max(1, min(most, limits.max_inputs))
+    out, start, chars = [], 0, 0
+    for i, item in enumerate(inputs):
+        c = input_chars(item, prompt, limits.max_input_chars)
+        if i > start and (i - start >= most or chars + c > limits.max_request_chars):
+            out.append((start, i))
+            start, chars = i, 0
+        chars += c
+    out.append((start, len(inputs)))
+    return out
+
+
+async def _in_pieces(
+    inputs: list[Any], engine: Engine, opts: EmbedOptions, call: Callable[[list[Any]], Awaitable[T]]
+) -> list[T]:
+    """`call` on each piece of `inputs`, PIECES_IN_FLIGHT at a time, answers in order. A refusal names the
+    input by its index in `inputs` (the engine counts within the piece)."""
+    try:  # the prompt's characters count against the budgets; a bad prompt is the engine's to refuse
+        prompt = engine.tokenizer.prompt_for(inputs, opts.prompt_name, opts.prompt)
+    except ValueError:
+        prompt = None
+    bounds = pieces(inputs, prompt, engine)
+    gate = asyncio.Semaphore(PIECES_IN_FLIGHT)
+
+    async def one(start: int, end: int) -> T:
+        async with gate:
+            while True:
+                try:
+                    return await call(inputs[start:end])
+                except OverloadedError:  # refused at admission, before any work: wait for room
+                    await asyncio.sleep(OVERLOADED_RETRY_S)
+                except EngineError as exc:
+                    raise rebased(exc, start) from None
+
+    tasks = [asyncio.ensure_future(one(s, e)) for s, e in bounds]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def rebased(exc: EngineError, offset: int) -> EngineError:
+    """The engine's message names inputs by their index in the piece; name them by the caller's."""
+    if not offset or not isinstance(exc, InvalidInputError):
+        return exc
+    message = _INDEX.sub(lambda m: f"input {int(m.group(1)) + offset}", str(exc))
+    return type(exc)(message, exc.param)
+
+
+def _progress_bar(total: int) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="inputs", dynamic_ncols=True)

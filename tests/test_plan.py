@@ -1,0 +1,123 @@
+"""The resource plan (plan.py) for this machine and for described GPU machines, without GPUs; and the plan's
+devices reaching each replica's workers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from embed_service.config import Settings
+from embed_service.engine.engine import Engine
+from embed_service.models.spec import load_spec
+from embed_service.plan import GIB, Machine, ModelPlan, ModelRequest, PlanError, plan_resources
+from embed_service.workers.device import rank_device
+
+MINILM_BYTES = 90_000_000  # the packaged all-MiniLM-L6-v2's safetensors, about 87 MiB
+TWO_CORES = Machine(cores=2, gpus=0, memory=24 * GIB)  # this machine
+EIGHT_GPUS = Machine(cores=64, gpus=8, memory=512 * GIB)
+
+
+def test_one_model_alone_on_two_cores_gets_two_single_thread_replicas():
+    (m,) = plan_resources([ModelRequest("mini", "cpu", weight_bytes=MINILM_BYTES)], TWO_CORES).models
+    assert (m.replicas, m.num_threads, m.devices) == (2, 1, (("cpu",), ("cpu",)))
+
+
+def test_two_models_on_two_cores_get_one_replica_and_one_thread_each():
+    plan = plan_resources(
+        [
+            ModelRequest("mini", "cpu", weight_bytes=MINILM_BYTES),
+            ModelRequest("tiny", "cpu", weight_bytes=1_000_000),
+        ],
+        TWO_CORES,
+    )
+    assert [(m.name, m.replicas, m.num_threads) for m in plan.models] == [("mini", 1, 1), ("tiny", 1, 1)]
+    assert plan.threads == 2 and plan.gpus_used == 0
+    print("\n" + "\n".join(plan.lines()))
+
+
+def test_spare_cores_go_to_the_first_models_workers_and_given_threads_are_kept():
+    # 8 cores, 3 + 2 workers: 1 thread each leaves 3 cores, enough for the first model's 3 workers.
+    plan = plan_resources(
+        [ModelRequest("a", "cpu", replicas=3), ModelRequest("b", "cpu", replicas=2)], Machine(cores=8)
+    )
+    assert [m.num_threads for m in plan.models] == [2, 1] and plan.threads == 8
+    # A model's own --num-threads is taken from the cores first; the others share what is left.
+    plan = plan_resources(
+        [ModelRequest("a", "cpu", replicas=1, num_threads=6), ModelRequest("b", "cpu", replicas=2)],
+        Machine(cores=8),
+    )
+    assert [m.num_threads for m in plan.models] == [6, 1]
+
+
+def test_more_threads_than_cores_are_planned_with_a_warning():
+    plan = plan_resources([ModelRequest("a", "cpu", replicas=2, num_threads=4)], TWO_CORES)
+    assert plan.threads == 8
+    assert any("warning: 8 threads on 2 cores" in line for line in plan.lines())
+
+
+def test_eight_gpus_two_models_each_replica_on_its_own_devices():
+    plan = plan_resources(
+        [
+            ModelRequest("model-a", "cuda", tensor_parallel_size=2, replicas=2),
+            ModelRequest("model-b", "cuda", tensor_parallel_size=1, replicas=4),
+        ],
+        EIGHT_GPUS,
+    )
+    a, b = plan.models
+    assert a.devices == (("cuda:0", "cuda:1"), ("cuda:2", "cuda:3"))
+    assert b.devices == (("cuda:4",), ("cuda:5",), ("cuda:6",), ("cuda:7",))
+    every = [d for m in plan.models for replica in m.devices for d in replica]
+    assert len(every) == len(set(every)) == 8  # no device shared
+    assert (a.num_threads, b.num_threads, plan.threads) == (8, 8, 64)
+    print("\n" + "\n".join(plan.lines()))
+
+
+def test_nine_gpus_on_eight_are_refused_naming_what_each_model_needs():
+    with pytest.raises(PlanError) as refused:
+        plan_resources(
+            [
+                ModelRequest("model-a", "cuda", tensor_parallel_size=2, replicas=2),
+                ModelRequest("model-b", "cuda", tensor_parallel_size=1, replicas=5),
+            ],
+            EIGHT_GPUS,
+        )
+    message = str(refused.value)
+    assert "need 9 GPUs" in message and "8 visible" in message
+    assert "model-a 2 replicas x tensor-parallel 2 = 4" in message
+    assert "model-b 5 replicas x tensor-parallel 1 = 5" in message
+    print(f"\nrefused: {message}")
+
+
+def test_one_model_replicas_no_longer_share_the_first_gpus():
+    # Before the plan every replica at --device cuda ran on cuda:0..tp-1.
+    (m,) = plan_resources(
+        [ModelRequest("m", "cuda", tensor_parallel_size=2, replicas=2)], Machine(cores=16, gpus=4)
+    ).models
+    assert m.devices == (("cuda:0", "cuda:1"), ("cuda:2", "cuda:3"))
+    with pytest.raises(PlanError, match="need 4 GPUs .* 2 visible"):
+        plan_resources([ModelRequest("m", "cuda", tensor_parallel_size=2, replicas=2)], Machine(16, gpus=2))
+
+
+def test_a_cpu_model_beside_a_cuda_model_takes_no_gpu():
+    plan = plan_resources(
+        [ModelRequest("gpu", "cuda", replicas=1), ModelRequest("cpu", "cpu", replicas=1)], Machine(4, gpus=1)
+    )
+    assert [m.devices for m in plan.models] == [(("cuda:0",),), (("cpu",),)]
+    assert plan.gpus_used == 1
+
+
+def test_rank_device_takes_the_plans_device():
+    assert rank_device("cuda", ("cuda:2", "cuda:3"), 1) == torch.device("cuda", 3)
+    assert rank_device("cuda", (), 1) == torch.device("cuda", 1)  # no plan: as before
+    assert rank_device("cpu", (), 0) == torch.device("cpu")
+
+
+def test_each_replica_group_gets_its_own_devices(default_model_path):
+    """The engine hands replica r's devices to its worker group (no worker is started)."""
+    share = ModelPlan("m", "cuda", 2, 2, 4, (("cuda:4", "cuda:5"), ("cuda:6", "cuda:7")))
+    settings = Settings(dtype="float32", tensor_parallel_size=2, data_parallel_size=2)
+    engine = Engine(settings, load_spec(default_model_path, None), ["m"], share)
+    groups = [engine._make_group(r, lambda reason: None) for r in range(2)]
+    assert [g.cfg.devices for g in groups] == [("cuda:4", "cuda:5"), ("cuda:6", "cuda:7")]
+    assert {g.cfg.device for g in groups} == {"cuda"} and engine.num_threads == 4
+    assert groups[0].cfg.dist_port != groups[1].cfg.dist_port
