@@ -9,6 +9,9 @@ Steps, each a key of the one JSON summary printed last:
              throughput (tokens/s, embeddings/s), latency and model FLOPs utilization through the HTTP server
              with the project's load client (embed_service/bench.py) for 32- and 512-token inputs at each
              --max-batch-tokens budget, and the in-process ceiling (the model's forward alone)
+  cuda_graphs (per model) every step the worker captures (workers/graphs.py), then short batches replayed
+             against the eager forward: max abs difference, lowest cosine, eager and graph milliseconds;
+             skipped on a CPU, with the reason (the same layout then runs eagerly)
 
 --cpu-dry-run runs the same steps on the CPU at toy sizes (the kernels under Triton's interpreter, the
 attention backends the CPU has), so that the script is known to work before a device is lent.
@@ -29,6 +32,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -243,23 +247,96 @@ def corpus(path: Path, model_dir: Path, tokens: int, n: int) -> Path:
     return path
 
 
-def in_process(
-    model_dir: Path, config: dict, device: str, budgets: list[int], lengths: list[int], peak
-) -> list:
-    """The forward alone (no HTTP, no tokenizer, no queue): tokens/s at each batch budget and input length."""
+def load_embedder(model_dir: Path, device: str, max_len: int):
+    """(Embedder, spec, dtype) as a worker builds it: the kernels and dtype it would choose."""
     from embed_service.models.loader import Embedder
     from embed_service.models.spec import load_spec
     from embed_service.ops import fused
-    from embed_service.ops.batch import FlatBatch
-    from embed_service.outputs import DENSE_ONLY
     from embed_service.workers.device import DTYPES, cuda_dtype_for, resolve_dtype
 
     fused.configure(device)
     dtype = resolve_dtype("auto", device)
     if dtype == "auto":
         dtype = cuda_dtype_for(torch.cuda.get_device_capability())
-    spec = load_spec(model_dir, max(lengths))
-    model = Embedder(spec, DTYPES[dtype], torch.device(device)).eval()
+    spec = load_spec(model_dir, max_len)
+    return Embedder(spec, DTYPES[dtype], torch.device(device)).eval(), spec, DTYPES[dtype]
+
+
+# Short online batches (sequences x tokens each) for the CUDA graph step: steps 16, 128 and 1,024.
+GRAPH_BATCHES = [(1, 16), (1, 100), (4, 32), (16, 64)]
+
+
+def step_cuda_graphs(model_dir: Path, device: str) -> dict[str, Any]:
+    """The worker's graphs (workers/graphs.py): every step the server would capture, then short batches
+    replayed against the eager forward (dense vectors: max abs difference, lowest cosine) and the latency
+    of each. On a CPU nothing is captured (graphs.plan says why); the same runner then runs the layout
+    eagerly, so that everything but the capture is exercised."""
+    from embed_service.ops import attention
+    from embed_service.ops.batch import FlatBatch
+    from embed_service.outputs import DENSE_ONLY
+    from embed_service.workers import graphs
+
+    max_len = max(n for _, n in GRAPH_BATCHES)
+    model, spec, dtype = load_embedder(model_dir, device, max_len)
+    backend = attention.backend_name(device, dtype)
+    plan = graphs.plan(True, device, backend, spec.family.module, 1, graphs.GRAPH_MAX_TOKENS)
+    out: dict[str, Any] = {"attention": backend, "captured": bool(plan.steps), "skipped": plan.off}
+    if not plan.steps:  # the same layout, run eagerly, at the steps the batches need
+        needed = sorted({graphs.padded_tokens(b * n) for b, n in GRAPH_BATCHES})
+        plan = graphs.GraphPlan(tuple(needed), graphs.GRAPH_MAX_SEQUENCES, None)
+    t0 = time.perf_counter()
+    capture = graphs.cuda_graph if out["captured"] else graphs.eager
+    runner = graphs.GraphRunner(model.model, plan, max_len, torch.device(device), capture)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    out.update(steps=len(plan.steps), capture_s=round(time.perf_counter() - t0, 2), batches=[])
+    g = torch.Generator().manual_seed(0)
+    for seqs, length in GRAPH_BATCHES:
+        batch = FlatBatch.from_lengths(
+            torch.randint(1000, 20000, (seqs * length,), generator=g), [length] * seqs
+        )
+        requests = [DENSE_ONLY] * seqs
+
+        def eager_forward(batch=batch, requests=requests):
+            return model(batch.to(device), requests)
+
+        def graph_forward(batch=batch, requests=requests):
+            return runner.forward(model, batch, requests)
+
+        want = np.stack([o.dense for o in eager_forward()]).astype(np.float64)
+        got = np.stack([o.dense for o in graph_forward()]).astype(np.float64)
+        cos = (want * got).sum(1) / np.maximum(
+            np.linalg.norm(want, axis=1) * np.linalg.norm(got, axis=1), 1e-30
+        )
+        repeat = 3 if device == "cpu" else 50
+        eager_ms, graph_ms = _time(eager_forward, device, repeat), _time(graph_forward, device, repeat)
+        out["batches"].append(
+            {
+                "sequences": seqs,
+                "input_tokens": length,
+                "step": graphs.padded_tokens(seqs * length),
+                "max_abs_diff": float(np.abs(want - got).max()),
+                "min_cosine": round(float(cos.min()), 6),
+                "eager_ms": round(eager_ms, 3),
+                "graph_ms": round(graph_ms, 3),
+                "speedup": round(eager_ms / graph_ms, 2),
+            }
+        )
+    out["agree"] = all(b["min_cosine"] >= 0.999 for b in out["batches"])
+    runner = model = None  # the graphs and weights go before the next model loads
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def in_process(
+    model_dir: Path, config: dict, device: str, budgets: list[int], lengths: list[int], peak
+) -> list:
+    """The forward alone (no HTTP, no tokenizer, no queue): tokens/s at each batch budget and input length."""
+    from embed_service.ops.batch import FlatBatch
+    from embed_service.outputs import DENSE_ONLY
+
+    model, _, _ = load_embedder(model_dir, device, max(lengths))
     rows = []
     for budget in budgets:
         for length in lengths:
@@ -390,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
             entry["in_process"] = in_process(
                 model_dir, config, device, [512] if dry else [2048, 8192, 32768], lengths, peak
             )
+            log(f"{kind}: CUDA graphs against the eager forward")
+            entry["cuda_graphs"] = step_cuda_graphs(model_dir, device)
             entry["http"] = []
             for budget in budgets[kind]:
                 log(f"{kind}: HTTP at --max-batch-tokens {budget}")
@@ -403,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["ok"] = (
         summary["kernels"]["passed"]
         and all(r["agree"] for r in summary["attention"])
+        and all(m["cuda_graphs"]["agree"] for m in summary["models"].values())
         and all(f and f["passed"] for f in fidelity)
         and all(
             load["errors"] == 0 for m in summary["models"].values() for h in m["http"] for load in h["loads"]

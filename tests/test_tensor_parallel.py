@@ -48,7 +48,7 @@ BERT = Tiny(
 # The tiny models of the model-family tests (weights drawn wide, non-default configs): an XLM-R encoder, a
 # bidirectional Qwen2 and a Llama decoder, both with grouped-query attention and head_dim != hidden / heads;
 # MPNet (its relative bias table split by heads) and a bidirectional Gemma 3 with sentence-transformers Dense
-# heads. (DistilBERT and a soft-capped Gemma 2 also gave TP=2 within 3.6e-7 and 5.1e-6 of TP=1; their
+# heads. (DistilBERT and a soft-capped Gemma 2 also gave TP=2 within 3.6e-7 and 5.1e-6 of TP=1, measured once; their
 # sharding is the same as BERT's and Gemma 3's, so they are not served twice here.)
 ARCHITECTURES = [BERT] + [
     c for c in CASES if c.name in ("xlm-roberta", "qwen2-bidirectional", "llama", "mpnet", "embeddinggemma")

@@ -278,6 +278,12 @@ class ModelSettings(BaseSettings):
     fidelity_warn_only: bool = False
     """Serve anyway when the start-up fidelity check fails, with a warning in the log and in /info."""
 
+    cuda_graphs: bool = True
+    """On CUDA, capture one CUDA graph of the transformer body per token-count step up to 2,048 tokens at
+    start-up and replay it for short batches, so that they are not bound by kernel launches (only with
+    flash-attn, one rank, and families whose attention is capture-safe; /info says which steps, or why
+    none). ``--no-cuda-graphs``: every batch runs eagerly."""
+
     @field_validator("fidelity_min_cosine")
     @classmethod
     def _cosine(cls, v: float) -> float:

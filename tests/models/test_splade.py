@@ -238,6 +238,7 @@ def test_refusals(servers):
     url, _ = servers
     info = httpx.get(url + "/info").json()
     assert info["outputs"] == ["sparse"] and info["dimension"] == BERT.config().vocab_size
+    assert info["pooling"] == "splade_max"  # the SparseEncoder folder's SpladePooling strategy
     cases = [
         ({"input": "x", "outputs": ["dense"]}, "outputs", "/v1/embeddings"),
         ({"input": "x", "outputs": ["sparse", "colbert"]}, "outputs", "/v1/embeddings"),

@@ -86,7 +86,9 @@ def test_an_out_of_memory_batch_is_split_and_answered(faulty):
 
 def test_an_input_too_large_for_memory_fails_alone_and_the_server_serves_on(faulty):
     r = embed(faulty, [ids(60, OOM_TOKEN)])
-    assert r.status_code >= 500 and r.json()["error"]["message"], r.text
+    error = r.json()["error"]
+    assert r.status_code == 500 and error["code"] == "out_of_memory", r.text
+    assert "out of memory on a batch of 60 tokens" in error["message"], r.text
     assert vectors(embed(faulty, [ids(60)])).shape == (1, 384)  # the same length without the fault
     info = httpx.get(faulty.url + "/info").json()
     assert info["replicas"][0]["restarts"] == 0  # no restart: the worker lived through it

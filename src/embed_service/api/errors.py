@@ -16,6 +16,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from embed_service.engine.errors import (
+    DeviceMemoryError,
     EngineError,
     InvalidInputError,
     ModelNotFoundError,
@@ -107,6 +108,8 @@ def from_engine(exc: EngineError) -> APIError:
         return APIError(429, str(exc), "rate_limit_error", code="overloaded", headers=dict(RETRY_AFTER))
     if isinstance(exc, NotReadyError):
         return unavailable(str(exc))
+    if isinstance(exc, DeviceMemoryError):  # not a bug: said as it is, and not worth a retry
+        return APIError(500, str(exc), "server_error", code="out_of_memory")
     return APIError(500, "internal error", "server_error")
 
 

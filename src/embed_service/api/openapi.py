@@ -30,7 +30,7 @@ _WHEN = {
     413: "The body is larger than --max-request-bytes",
     415: "The body was not sent as application/json",
     429: "Admitting the inputs would pass --max-concurrent-requests; retry after Retry-After seconds",
-    500: "An internal error (a bug): reported without details",
+    500: "An input too large for the device's memory even alone (code out_of_memory), else an internal error (a bug)",
     503: "Loading, draining after SIGTERM, or no replica can serve; retry after Retry-After seconds",
 }
 _RETRY_AFTER = {

@@ -200,6 +200,7 @@ class Engine:
             max_batch_tokens=self.max_batch_tokens,
             fidelity_min_cosine=settings.fidelity_min_cosine,
             fidelity_warn_only=settings.fidelity_warn_only,
+            cuda_graphs=settings.cuda_graphs,
         )
         # loading -> ready <-> restarting (no replica up) -> draining | failed
         self.state = "loading"
@@ -767,7 +768,10 @@ class Engine:
             "served_model_names": self.served_names,
             "model_path": str(self.spec.path),
             "architecture": self.spec.architecture,
-            "pooling": self.spec.pooling,
+            # A SPLADE model pools its MLM logits (SpladePooling), not its hidden states.
+            "pooling": self.spec.pooling
+            if self.spec.splade is None
+            else f"splade_{self.spec.splade.pooling_strategy}",
             "outputs": [k for k in KINDS if k in self.spec.outputs],
             "normalize": self.spec.normalize,
             "dimension": self.spec.dimension,
@@ -808,4 +812,6 @@ class Engine:
             "kernels": first.group.rank_info[0].get("kernels") if first else None,
             "attention": first.group.rank_info[0].get("attention") if first else None,
             "fidelity": first.group.rank_info[0].get("fidelity") if first else None,
+            # The token-count steps replayed from CUDA graphs, or why none are (workers/graphs.py).
+            "cuda_graphs": first.group.rank_info[0].get("cuda_graphs") if first else None,
         }

@@ -19,6 +19,10 @@ class OverloadedError(EngineError):
     """Admitting the inputs would pass --max-concurrent-requests."""
 
 
+class DeviceMemoryError(EngineError):
+    """An input that does not fit in the device's memory even alone: that request fails, the server serves on."""
+
+
 class NotReadyError(EngineError):
     """Loading, draining or failed."""
 

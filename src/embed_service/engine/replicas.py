@@ -28,9 +28,9 @@ import numpy as np
 
 from embed_service import metrics
 from embed_service.batching.batcher import BackendLost, Batcher
-from embed_service.engine.errors import NotReadyError
+from embed_service.engine.errors import DeviceMemoryError, NotReadyError
 from embed_service.outputs import OutputRequest, SequenceOutput
-from embed_service.workers.group import WorkerDiedError, WorkerGroup
+from embed_service.workers.group import BatchOutOfMemoryError, WorkerDiedError, WorkerGroup
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +165,10 @@ class Replicas:
             return self.replicas[index].group.run(ids, lengths, requests)
         except WorkerDiedError as exc:
             raise ReplicaLostError(f"model {self.model} is unavailable: {exc}") from None
+        except BatchOutOfMemoryError as exc:
+            raise DeviceMemoryError(
+                f"model {self.model}: {exc}; send shorter inputs, or serve with a smaller --max-input-length"
+            ) from None
 
     def _lost(self, index: int, group: WorkerGroup, reason: str) -> None:
         r = self.replicas[index]

@@ -40,6 +40,10 @@ HEARTBEAT_TIMEOUT_S = 5.0
 _WATCH_INTERVAL_S = 0.5
 
 
+class BatchOutOfMemoryError(RuntimeError):
+    """A sequence of the batch does not fit in the device's memory even alone (the worker split the batch)."""
+
+
 class WorkerDiedError(RuntimeError):
     """A worker process is gone; the group cannot compute any more."""
 
@@ -231,6 +235,8 @@ class WorkerGroup:
             return check_outputs(requests, msg[1])
         if msg[0] == "error":  # one rank only: the batch failed, the worker lives on
             raise RuntimeError(msg[1])
+        if msg[0] == "oom":  # split down to one sequence and still too large; the workers live on
+            raise BatchOutOfMemoryError(msg[1])
         # Rank 0 is gone or failing: with several ranks the cause is often another rank (rank 0 then fails
         # in a collective, or is killed by the watcher). Let the watcher name it, else name it here.
         if msg[0] == "fatal" and "\n" in msg[1]:

@@ -40,6 +40,7 @@ class WorkerConfig:
     fidelity_min_cosine: float = 0.999  # --fidelity-min-cosine (workers/fidelity.py); 0: not checked
     fidelity_warn_only: bool = False  # --fidelity-warn-only
     devices: tuple[str, ...] = ()  # one per rank, from the resource plan (plan.py); empty: cuda:rank or cpu
+    cuda_graphs: bool = True  # --cuda-graphs (workers/graphs.py)
 
 
 # An error after which the device cannot be trusted: a CUDA device-side assert or an illegal memory access
@@ -141,7 +142,7 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
     from embed_service.ops.batch import FlatBatch
     from embed_service.outputs import DENSE, OutputRequest
     from embed_service.parallel import set_tensor_parallel
-    from embed_service.workers import fidelity, null_model
+    from embed_service.workers import fidelity, graphs, null_model
     from embed_service.workers.device import DTYPES, cuda_dtype_for, rank_device
 
     torch.set_num_threads(cfg.num_threads)
@@ -184,10 +185,13 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
         model = Embedder(spec, DTYPES[dtype], device).eval()
     say(f"weights loaded in {time.perf_counter() - t0:.1f}s; warming up")
 
+    runner: Any = None  # workers/graphs.GraphRunner once captured (after the fidelity check)
+
     def run(ids, lengths, requests):
         segments = [r.second_segment for r in requests]  # token types travel with the requests
-        batch = FlatBatch.from_lengths(torch.from_numpy(ids), lengths.tolist(), segments).to(device)
-        return model(batch, requests)
+        batch = FlatBatch.from_lengths(torch.from_numpy(ids), lengths.tolist(), segments)
+        out = runner.forward(model, batch, requests) if runner is not None else None
+        return out if out is not None else model(batch.to(device), requests)
 
     def agree(failed: bool) -> bool:
         """Whether any rank failed this step (all ranks call it once per attempt)."""
@@ -251,6 +255,23 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
         say("WARNING: " + reason + "; serving anyway (--fidelity-warn-only)")
     elif check.min_cosine is not None:
         say(f"fidelity check: cosine {check.min_cosine:.6f} to the float32 reference (>= {check.threshold})")
+    # After the fidelity check: its reference pass swaps the parameters' tensors, which a graph would
+    # not follow.
+    graph_plan = graphs.plan(
+        cfg.cuda_graphs, device.type, attention_backend, spec.family.module, cfg.world_size, int(ids.size)
+    )
+    if null_model.wanted():
+        graph_plan = graphs.GraphPlan((), 0, "no model (the null model)")
+    if graph_plan.steps:
+        t2 = time.perf_counter()
+        try:
+            runner = graphs.GraphRunner(model.model, graph_plan, spec.max_input_length, device)
+            say(f"captured {len(graph_plan.steps)} CUDA graphs in {time.perf_counter() - t2:.1f}s")
+        except Exception as exc:
+            if is_fatal(exc):
+                raise
+            graph_plan = graphs.GraphPlan((), 0, f"capture failed: {type(exc).__name__}: {exc}")
+            say(f"WARNING: CUDA graphs off, {graph_plan.off}")
     conn.send(
         (
             "ready",
@@ -265,6 +286,7 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
                 "kernels": kernels,
                 "attention": attention_backend,
                 "fidelity": check.info(),
+                "cuda_graphs": graph_plan.info(),
             },
         )
     )
@@ -278,9 +300,7 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
             out = run_splitting(ids, lengths, requests)
         except BatchOutOfMemory as exc:  # the batch fails; the worker (and every rank) serves on
             if rank == 0:
-                conn.send(
-                    ("error", f"{exc}: the device has no memory for it (try a smaller --max-batch-tokens)")
-                )
+                conn.send(("oom", f"{exc}: the device has no memory for it, even one sequence at a time"))
             continue
         except Exception as exc:
             if cfg.world_size > 1 or is_fatal(exc):

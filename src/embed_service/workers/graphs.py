@@ -1,0 +1,244 @@
+"""CUDA graphs for short batches: one captured forward of the transformer body per token-count step.
+
+A short batch on a GPU is bound by kernel launches (a 6-layer encoder launches ~100 kernels for 32 tokens,
+each a few microseconds of work), and one graph replay launches them all at once. A graph replays fixed
+shapes and fixed addresses, so each step's graph owns static buffers laid out the same way every time:
+
+    input_ids, positions, token_type_ids: (S,)   S: the step, padded_tokens(T) for a batch of T tokens
+    cu_seqlens: (N + P + 1,) int32                N slots for real sequences, P for the padding
+    [real sequences][zero-length sequences up to N][padding sequences of token 0 up to S tokens]
+
+max_seqlen is fixed per graph (min(S, the max input length)), an upper bound flash-attn's varlen kernel
+sizes its grid by; zero-length sequences do no work. The output heads (pooling, sparse, ColBERT, scoring)
+copy to the host, so they run after the replay, eagerly, on the real rows of the static output (T, H).
+
+Only the transformer body of a family whose attention is ops/attention.varlen_attention is captured, and
+only with the flash-attn backend: the SDPA fallback groups sequences by length on the host
+(FlatBatch.length_groups, a device sync and shapes that change per batch), and scored attention (MPNet's
+relative bias, Gemma's soft-capping) builds per-batch tensors. Tensor parallelism (world size > 1) runs
+eagerly too. Everything else (a batch over the largest step, more sequences than the slots) runs eagerly.
+
+`capture` is the one CUDA-only part: tests pass `eager` instead and run the same layout on a CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from embed_service.ops.batch import FlatBatch, padded_tokens
+
+# Steps up to this many tokens get a graph: past ~2k tokens a forward is long enough that launches are a
+# small share of it, and each graph holds its own static buffers.
+GRAPH_MAX_TOKENS = 2048
+# Real sequences one graph holds; a short batch with more runs eagerly. flash-attn's grid grows with the
+# sequence count (zero-length ones return at once, but are still launched blocks).
+GRAPH_MAX_SEQUENCES = 64
+# Families whose body is capture-safe (registry.Family.module): varlen attention, no host reads.
+CAPTURE_SAFE_FAMILIES = frozenset({"bert", "distilbert", "modernbert", "decoder"})
+# The longest padding sequence (positions 0 .. PAD_LEN - 1 stay inside every position table).
+PAD_LEN = 64
+
+
+def graph_steps(max_tokens: int) -> list[int]:
+    """The token counts batches run at (ops/batch.padded_tokens), up to `max_tokens`."""
+    return sorted(s for s in {padded_tokens(t) for t in range(1, max_tokens + 1)} if s <= max_tokens)
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """The steps a worker captures (none: `off` says why), reported in /info as `cuda_graphs`."""
+
+    steps: tuple[int, ...]
+    max_sequences: int
+    off: str | None
+
+    def info(self) -> dict[str, Any]:
+        return {"steps": list(self.steps), "max_sequences": self.max_sequences, "off": self.off}
+
+
+def plan(
+    enabled: bool,
+    device_type: str,
+    attention_backend: str,
+    family_module: str,
+    world_size: int,
+    max_batch_tokens: int,
+    max_tokens: int = GRAPH_MAX_TOKENS,
+) -> GraphPlan:
+    """Which steps get a graph, or why none does."""
+    off = (
+        "--no-cuda-graphs"
+        if not enabled
+        else f"the device is a {device_type}, not CUDA"
+        if device_type != "cuda"
+        else f"the {family_module} family's attention is not capture-safe"
+        if family_module not in CAPTURE_SAFE_FAMILIES
+        else f"attention backend {attention_backend} syncs with the host (flash-attn is needed)"
+        if attention_backend != "flash-attn"
+        else "tensor parallelism (graphs run on one rank only)"
+        if world_size > 1
+        else None
+    )
+    if off is not None:
+        return GraphPlan((), 0, off)
+    return GraphPlan(
+        tuple(graph_steps(min(max_tokens, padded_tokens(max_batch_tokens)))), GRAPH_MAX_SEQUENCES, None
+    )
+
+
+def _grain(step: int) -> int:
+    """The largest padding a batch that runs at `step` can need, plus one (see padded_tokens)."""
+    return 16 if step <= 256 else 64 if step <= 2048 else 256
+
+
+def pad_slots(step: int, max_len: int) -> int:
+    """Padding sequences a graph of `step` holds: enough for the most padding a batch there needs."""
+    return -(-(_grain(step) - 1) // min(PAD_LEN, max_len))
+
+
+def graph_layout(batch: FlatBatch, step: int, slots: int, max_len: int) -> FlatBatch:
+    """`batch` (T <= step tokens, B <= slots sequences) in the static layout of the graph of `step`.
+
+    Returns (step,) ids, positions and token types, and (slots + pad_slots + 1,) cu_seqlens; the real
+    tokens keep their rows 0 .. T - 1, so the body's output rows for them are the batch's.
+    """
+    tokens, seqs = int(batch.cu_seqlens[-1]), batch.num_seqs
+    if tokens > step or seqs > slots:
+        raise ValueError(
+            f"a batch of {tokens} tokens, {seqs} sequences does not fit step {step}, {slots} slots"
+        )
+    pad = step - tokens
+    piece = min(PAD_LEN, max_len)
+    pieces = [piece] * (pad // piece) + ([pad % piece] if pad % piece else [])
+    extra = pad_slots(step, max_len)
+    if len(pieces) > extra:
+        raise ValueError(f"{pad} padding tokens need more than {extra} padding sequences")
+    pieces += [0] * (extra - len(pieces))
+    cu = torch.cat(
+        [
+            batch.cu_seqlens.to(torch.int32),
+            torch.full((slots - seqs,), tokens, dtype=torch.int32),
+            tokens + torch.cumsum(torch.tensor(pieces, dtype=torch.int32), 0, dtype=torch.int32),
+        ]
+    )
+    ids = torch.cat([batch.input_ids, torch.zeros(pad, dtype=batch.input_ids.dtype)])
+    positions = torch.cat([batch.positions, *(torch.arange(n) for n in pieces if n)])
+    types = (
+        batch.token_type_ids if batch.token_type_ids is not None else torch.zeros(tokens, dtype=torch.long)
+    )
+    types = torch.cat([types, torch.zeros(pad, dtype=types.dtype)])
+    return FlatBatch(ids, positions, cu, min(step, max_len), types)
+
+
+Replay = Callable[[], torch.Tensor]
+
+
+def eager(fn: Replay, pool: Any = None) -> Replay:
+    """The stand-in for `cuda_graph`: runs `fn` at every call (the same buffers, the same layout)."""
+    return fn
+
+
+def cuda_graph(fn: Replay, pool: Any = None) -> Replay:
+    """Capture `fn` (after two warm-up runs on a side stream, as torch.cuda.graphs asks) into a graph; the
+    returned callable replays it and returns its static output."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return out
+
+    return replay
+
+
+class _StepGraph:
+    """One step's static buffers and its replay."""
+
+    def __init__(
+        self,
+        body: torch.nn.Module,
+        step: int,
+        slots: int,
+        max_len: int,
+        device: torch.device,
+        capture: Callable[..., Replay],
+        pool: Any,
+    ):
+        self.step, self.slots, self.max_len = step, slots, max_len
+        # Every sequence zero-length until a batch is loaded: the capture's warm-up runs then read nothing
+        # past the buffers (rows outside every sequence are left as the kernels find them).
+        self.ids = torch.zeros(step, dtype=torch.long, device=device)
+        self.positions = torch.zeros(step, dtype=torch.long, device=device)
+        self.types = torch.zeros(step, dtype=torch.long, device=device)  # a pair batch copies its types in
+        self.cu = torch.zeros(slots + pad_slots(step, max_len) + 1, dtype=torch.int32, device=device)
+
+        def forward() -> torch.Tensor:
+            # A new FlatBatch per call: its length-group cache must never outlive the buffers' contents.
+            return body(FlatBatch(self.ids, self.positions, self.cu, min(step, max_len), self.types))
+
+        self.replay = capture(forward, pool)
+
+    def load(self, batch: FlatBatch) -> None:
+        layout = graph_layout(batch, self.step, self.slots, self.max_len)
+        self.ids.copy_(layout.input_ids, non_blocking=True)
+        self.positions.copy_(layout.positions, non_blocking=True)
+        self.cu.copy_(layout.cu_seqlens, non_blocking=True)
+        assert layout.token_type_ids is not None  # graph_layout always gives them
+        self.types.copy_(layout.token_type_ids, non_blocking=True)
+
+
+class GraphRunner:
+    """The transformer body of a model replayed from one graph per step of `graph_plan`.
+
+    `hidden(batch)` -> (T, H) last hidden states of a host-side FlatBatch's real tokens, or None when the
+    batch has no graph (more tokens than the largest step, or more sequences than the slots).
+    """
+
+    def __init__(
+        self,
+        body: torch.nn.Module,
+        graph_plan: GraphPlan,
+        max_len: int,
+        device: torch.device,
+        capture: Callable[..., Replay] = cuda_graph,
+    ):
+        self.plan = graph_plan
+        pool = torch.cuda.graph_pool_handle() if capture is cuda_graph else None
+        self.graphs: dict[int, _StepGraph] = {}
+        with torch.inference_mode():
+            # The largest first: the smaller graphs then fit in the memory pool it left (one pool for all).
+            for step in sorted(graph_plan.steps, reverse=True):
+                self.graphs[step] = _StepGraph(
+                    body, step, graph_plan.max_sequences, max_len, device, capture, pool
+                )
+
+    @torch.inference_mode()  # the buffers were made in it
+    def hidden(self, batch: FlatBatch) -> torch.Tensor | None:
+        tokens = int(batch.cu_seqlens[-1])
+        graph = self.graphs.get(padded_tokens(tokens))
+        if graph is None or batch.num_seqs > graph.slots:
+            return None
+        graph.load(batch)
+        return graph.replay()[:tokens].clone()  # (T, H): the next replay overwrites the static output
+
+    def forward(self, model: Any, batch: FlatBatch, requests: list[Any]) -> list[Any] | None:
+        """models/loader.Embedder.forward through a graph: the body replayed, then the heads eagerly on the
+        real rows (with the device's copies of the ids and bounds). None: run the model eagerly."""
+        with torch.inference_mode():
+            hidden = self.hidden(batch)
+            if hidden is None:
+                return None
+            graph = self.graphs[padded_tokens(int(batch.cu_seqlens[-1]))]
+            tokens, seqs = hidden.shape[0], batch.num_seqs
+            return model.heads(hidden, graph.ids[:tokens].clone(), graph.cu[: seqs + 1].clone(), requests)
