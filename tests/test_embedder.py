@@ -220,3 +220,44 @@ def test_sparse_and_colbert_outputs_equal_the_server(default_model_path, tmp_pat
         rows = np.stack([np.frombuffer(base64.b64decode(s), "<f4") for s in item["colbert"]])
         same_bytes(colbert, rows)
     assert one["sparse"].indices.tolist() == data[0]["sparse"]["indices"]
+
+
+def test_rerank_and_classify_equal_their_references(default_model_path, tmp_path, embedder):
+    """Scoring models in process: rerank against sentence-transformers' CrossEncoder.predict, classify
+    against the transformers text-classification pipeline (tiny random BERT heads, float32)."""
+    import transformers
+    from sentence_transformers import CrossEncoder
+
+    from tests.models.cross_encoders import bert_config, build
+    from tests.models.tiny import texts
+
+    query, documents = texts()[0], texts()[1:9]
+    sources = {"wordpiece": default_model_path}
+    ce = build(
+        "BertForSequenceClassification", bert_config(num_labels=1), "wordpiece", tmp_path / "ce", sources
+    )
+    labels = {0: "neg", 1: "neutral", 2: "pos"}
+    clf = build(
+        "BertForSequenceClassification",
+        bert_config(num_labels=3, id2label=labels, label2id={v: k for k, v in labels.items()}),
+        "wordpiece",
+        tmp_path / "clf",
+        sources,
+        cross_encoder=False,
+    )
+    want = CrossEncoder(str(ce), device="cpu").predict([(query, d) for d in documents])
+    with Embedder(ce, dtype="float32", data_parallel_size=1) as e:
+        np.testing.assert_allclose(e.rerank(query, documents), want, atol=1e-5)
+        with pytest.raises(InvalidInputError, match="documents"):
+            e.rerank(query, [])
+        with pytest.raises(InvalidInputError, match="does not embed"):
+            e.encode("a cross-encoder scores, it does not embed")
+    pipe = transformers.pipeline("text-classification", model=str(clf), device="cpu", top_k=None)
+    by_label = [{p["label"]: p["score"] for p in out} for out in pipe(documents)]
+    with Embedder(clf, dtype="float32", data_parallel_size=1) as e:
+        assert e.labels == ["neg", "neutral", "pos"]
+        expected = np.array([[scores[label] for label in e.labels] for scores in by_label])
+        np.testing.assert_allclose(e.classify(documents), expected, atol=1e-5)
+        assert e.classify(documents[0]).shape == (3,)
+    with pytest.raises(InvalidInputError, match="does not rerank"):
+        embedder.rerank(query, documents)  # an embedding model

@@ -32,6 +32,7 @@ from pydantic import ValidationError
 from embed_service import __version__
 from embed_service.api import encodings
 from embed_service.api.errors import from_validation
+from embed_service.api.rerank import ClassifyRequest, RerankRequest
 from embed_service.api.routes import embed_options
 from embed_service.api.schemas import EmbeddingRequest, TokenizeRequest
 from embed_service.config import Settings
@@ -267,6 +268,49 @@ class Embedder:
             return [ids for part in parts for ids in part]
 
         return self._loop.run(run())
+
+    # --- scoring models ------------------------------------------------------------------------------
+
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        truncate: bool = True,
+        max_tokens_per_doc: int | None = None,
+        instruction: str | None = None,
+    ) -> np.ndarray:
+        """One relevance score per document, in the order given ((n,) float32): what ``/rerank`` scores and
+        sentence-transformers' ``CrossEncoder.predict`` gives; ``np.argsort(-scores)`` ranks them.
+
+        For scoring models only: a cross-encoder, or a causal LM served with ``llm_reranker=True`` (which
+        also takes an ``instruction``). ``truncate=False`` refuses a pair longer than the max input length;
+        ``max_tokens_per_doc`` cuts each document first.
+        """
+        given = _given(
+            {"truncate": truncate, "max_tokens_per_doc": max_tokens_per_doc, "instruction": instruction}
+        )
+        body = _validate(RerankRequest, {"query": query, "documents": _plain(documents), **given})
+        texts = [d if isinstance(d, str) else d.text for d in body.documents]
+        engine = self._engine_or_raise()
+        result = self._loop.run(
+            engine.rerank(body.query, texts, body.truncate, body.max_tokens_per_doc, body.instruction)
+        )
+        return result.scores[:, 0].copy()
+
+    def classify(self, texts: str | Sequence[str], *, truncate: bool | None = None) -> np.ndarray:
+        """Label probabilities per text, ((n, labels) float32; (labels,) for one string), in the order of
+        `labels`: what ``/classify`` answers and the transformers text-classification pipeline gives."""
+        body = _validate(ClassifyRequest, {"input": _plain(texts), **_given({"truncate": truncate})})
+        engine = self._engine_or_raise()
+        result = self._loop.run(engine.classify(body.input, EmbedOptions(body.truncate)))
+        return result.scores[0] if isinstance(texts, str) else result.scores
+
+    @property
+    def labels(self) -> list[str]:
+        """A scoring model's labels (config.json's id2label, in label order); empty for an embedding model."""
+        score = self._engine_or_raise().spec.score
+        return list(score.labels) if score else []
 
     # --- the request ----------------------------------------------------------------------------------
 
