@@ -48,6 +48,19 @@ class DecoderArgs:
     """Per layer: the farthest key a query may see (inclusive), or None for the whole sequence."""
 
 
+def rotary_qkv(
+    attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v of a decoder attention (its qkv_proj, head counts, optional per-head q/k norm), the rotary
+    applied: (T, H_r, D), (T, Hkv_r, D), (T, Hkv_r, D). Shared by every decoder family (gemma.py too)."""
+    t, d = x.shape[0], attn.head_dim
+    q, k, v = attn.qkv_proj(x).split([attn.num_heads * d, attn.num_kv_heads * d, attn.num_kv_heads * d], -1)
+    q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
+    if attn.qk_norm:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+
 class DecoderAttention(nn.Module):
     def __init__(self, a: DecoderArgs, window: int | None):
         super().__init__()
@@ -63,16 +76,9 @@ class DecoderAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, batch: FlatBatch, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        t, d = x.shape[0], self.head_dim
-        q, k, v = self.qkv_proj(x).split(
-            [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1
-        )
-        q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)  # (T, H_r, D), (T, Hkv_r, D)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = rotary_qkv(self, x, cos, sin)
         out = varlen_attention(q, k, v, batch, causal=self.causal, window=self.window)  # (T, H_r, D)
-        return self.o_proj(out.reshape(t, self.num_heads * d))
+        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
 
 
 class DecoderMLP(nn.Module):

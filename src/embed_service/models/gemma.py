@@ -26,8 +26,8 @@ from embed_service.layers.activation import get_activation
 from embed_service.layers.embedding import VocabParallelEmbedding
 from embed_service.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from embed_service.layers.norm import GemmaRMSNorm
-from embed_service.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
-from embed_service.models.decoder import DecoderModel
+from embed_service.layers.rotary import RotaryEmbedding, rope_parameters
+from embed_service.models.decoder import DecoderModel, rotary_qkv
 from embed_service.models.spec import ModelSpec
 from embed_service.ops.batch import FlatBatch
 from embed_service.ops.scored_attention import varlen_attention_scored
@@ -55,18 +55,11 @@ class GemmaAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, batch: FlatBatch, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        t, d = x.shape[0], self.head_dim
-        q, k, v = self.qkv_proj(x).split(
-            [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1
-        )
-        q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)  # (T, H_r, D), (T, Hkv_r, D)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = rotary_qkv(self, x, cos, sin)
         out = varlen_attention_scored(
             q, k, v, batch, self.causal, self.scale, self.window, softcap=self.softcap
         )  # (T, H_r, D)
-        return self.o_proj(out.reshape(t, self.num_heads * d))
+        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
 
 
 class GemmaMLP(nn.Module):
