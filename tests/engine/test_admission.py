@@ -17,11 +17,15 @@ from transformers import AutoTokenizer
 from tests.server import ServerProcess
 
 MAX_LENGTH = 256  # all-MiniLM-L6-v2's
+HEAVY_LIMIT = 32 * 1024 * 1024
 
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess() as s:
+    # Request limits above the default 8 MiB: an abandoned request's first 0.2 s (two tokenizer threads on two
+    # cores) must be a small part of the whole one for the cancellation test to tell them apart.
+    limit = str(HEAVY_LIMIT)
+    with ServerProcess("--max-request-bytes", limit, "--max-request-chars", limit) as s:
         yield s
 
 
@@ -64,9 +68,11 @@ def test_a_prompt_is_counted_once_per_input_before_anything_is_tokenized(server,
     err = error(r, 400)
     assert err["param"] == "prompt" and "1048576 characters" in err["message"]
     # A prompt within the per-input limit that the request would multiply past its budget.
+    counted = 512 * (100000 + 1)  # 512 inputs of one character, each with the prompt
+    assert counted > HEAVY_LIMIT
     for route in ("/v1/embeddings", "/tokenize"):
-        err = error(post(server, route, {"input": ["x"] * 256, "prompt": "a " * 50000}), 400)
-        assert "counted once per input" in err["message"] and "25600256" in err["message"]
+        err = error(post(server, route, {"input": ["x"] * 512, "prompt": "a " * 50000}), 400)
+        assert "counted once per input" in err["message"] and str(counted) in err["message"]
     grown = rss(server) - before
     print(f"\n256 inputs x 1 MiB prompt: 400 in {huge:.3f} s, resident +{grown / 2**20:.1f} MiB")
     assert huge < 5 and grown < 64 * 2**20
@@ -162,10 +168,13 @@ def expected_right(hf) -> list[int]:
 
 
 def heavy_tokenize_body() -> bytes:
-    """2,048 texts of 4,000 characters, mostly spaces: about 8 M characters for the tokenizer to read."""
+    """2,048 texts of 12,000 characters, mostly spaces: about 24 M characters for the tokenizer to read (about 4
+    CPU seconds; abandoning it after 0.2 s leaves a tenth of that or less)."""
     import orjson
 
-    return orjson.dumps({"input": ["a" + " " * 3998 + "b"] * 2048})
+    body = orjson.dumps({"input": ["a" + " " * 11998 + "b"] * 2048})
+    assert len(body) < HEAVY_LIMIT
+    return body
 
 
 def test_tokenize_is_counted_in_flight_and_stops_when_the_client_goes_away(server):
@@ -202,7 +211,7 @@ def test_tokenize_is_counted_in_flight_and_stops_when_the_client_goes_away(serve
     time.sleep(3)
     abandoned_cpu = cpu(server) - c0
     print(
-        f"\n8 M characters to /tokenize: {whole_cpu:.2f} CPU s whole, {abandoned_cpu:.2f} CPU s abandoned "
+        f"\n24 M characters to /tokenize: {whole_cpu:.2f} CPU s whole, {abandoned_cpu:.2f} CPU s abandoned "
         f"after 0.2 s; in flight while running: {seen:.0f}"
     )
     assert abandoned_cpu < 0.5 * whole_cpu
