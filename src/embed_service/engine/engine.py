@@ -7,13 +7,15 @@ exceptions in engine/errors.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -61,6 +63,7 @@ from embed_service.workers.worker import WorkerConfig
 log = logging.getLogger(__name__)
 
 Inputs = list[str] | list[list[int]]
+T = TypeVar("T")
 
 
 @dataclass
@@ -151,6 +154,52 @@ def _chunk(inputs: Inputs, start: int, most: int, prompt: str | None, limit: int
             break
         k += 1
     return k
+
+
+class _Run:
+    """One request's sequences on the batcher, from its permit to its answer: what embed, chunked embed and
+    scoring share. A `with` block: leaving it on an error or a cancel drops what is still queued of the
+    request (the client went away, or a batch failed), and the permit is closed either way."""
+
+    def __init__(self, engine: Engine, permit: Permit):
+        self.engine = engine
+        self.permit = permit
+        self.state = RequestState()
+        self.loop = asyncio.get_running_loop()
+        self.tokens = 0
+        self.submitted: list[Sequence] = []  # for the request's trace spans
+
+    def __enter__(self) -> _Run:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            self.state.cancelled = True
+        self.permit.close()
+
+    def submit(
+        self, ids: list[list[int]], outputs: OutputRequest | list[OutputRequest] = DENSE_ONLY
+    ) -> list[asyncio.Future]:
+        """Queue a piece's sequences (`outputs`: for all, or one per sequence); their futures."""
+        engine = self.engine
+        if engine.state == "failed":  # a drain still finishes what it admitted; a dead worker cannot
+            engine._check_ready()
+        assert engine.batcher is not None
+        each = outputs if isinstance(outputs, list) else [outputs] * len(ids)
+        seqs = [Sequence(i, self.loop.create_future(), self.state, o) for i, o in zip(ids, each, strict=True)]
+        self.submitted.extend(seqs)
+        self.tokens += sum(map(len, ids))
+        # Interactive requests (admitted into the reserve) of few tokens take the priority lane;
+        # see engine/admission.py and batching/policy.py.
+        engine.batcher.submit(
+            seqs, priority=self.permit.interactive and self.tokens <= engine.settings.priority_max_tokens
+        )
+        return [seq.future for seq in seqs]
+
+    def answered(self) -> None:
+        """Every sequence has its result: the request's trace spans and its token count."""
+        observability.trace_batches(self.submitted)
+        metrics.INPUT_TOKENS.labels(self.engine.name).inc(self.tokens)
 
 
 class Engine:
@@ -420,36 +469,50 @@ class Engine:
         except InputTooLongError as exc:
             raise InputTooLongError(exc.index + first, exc.length, exc.limit) from None
 
-    async def _tokenize_piece(
-        self, inputs: Inputs, start: int, k: int, rule: Truncation, prompt: str | None
-    ) -> list[list[int]]:
-        """Token ids of inputs[start:start+k], on a tokenization thread call by call (TOKENIZE_CHUNK_CHARS
-        each): cancelling the caller stops the work at the next call."""
-        piece = inputs[start : start + k]
+    @contextlib.contextmanager
+    def _tokenizing(self) -> Iterator[Any]:
+        """Around one piece's tokenization: its trace span (yielded; None when not tracing), its duration
+        metric, and the tokenizer's refusals as InvalidInputError."""
         t0 = time.perf_counter()
         with observability.span("tokenize") as span:
             try:
-                if _small(piece, prompt):
-                    # A few short texts tokenize in tens of microseconds: less than the hop to a thread and
-                    # back, which online traffic (one query per request) would pay on every request.
-                    ids = self._token_ids(piece, rule, prompt, start)
-                else:
-                    loop = asyncio.get_running_loop()
-                    ids, done = [], 0
-                    while done < k:
-                        at = start + done
-                        step = _chunk(inputs, at, k - done, prompt, self.settings.max_input_chars)
-                        ids += await loop.run_in_executor(
-                            self._tokenize_pool, self._token_ids, inputs[at : at + step], rule, prompt, at
-                        )
-                        done += step
+                yield span
             except (InputTooLongError, InvalidTokenError, InputCharsError) as exc:
                 raise InvalidInputError(str(exc)) from None
             except PromptError as exc:
                 raise InvalidInputError(str(exc), param=exc.param) from None
+        metrics.TOKENIZATION_DURATION.labels(self.name).observe(time.perf_counter() - t0)
+
+    async def _on_tokenizer(
+        self, texts: Inputs, first: int, k: int, extra: str | None, fn: Callable[[Any, int], list[T]]
+    ) -> list[T]:
+        """`fn(texts[at : at + step], at)` over texts[first : first + k] on a tokenization thread, a call per
+        TOKENIZE_CHUNK_CHARS (`extra`: what each text carries besides itself, a prompt or a query): cancelling
+        the caller stops the work at the next call. `fn` gives one result per text."""
+        loop = asyncio.get_running_loop()
+        done: list[T] = []
+        while len(done) < k:
+            at = first + len(done)
+            step = _chunk(texts, at, k - len(done), extra, self.settings.max_input_chars)
+            done += await loop.run_in_executor(self._tokenize_pool, fn, texts[at : at + step], at)
+        return done
+
+    async def _tokenize_piece(
+        self, inputs: Inputs, start: int, k: int, rule: Truncation, prompt: str | None
+    ) -> list[list[int]]:
+        """Token ids of inputs[start:start+k]; see _on_tokenizer."""
+        piece = inputs[start : start + k]
+        with self._tokenizing() as span:
+            if _small(piece, prompt):
+                # A few short texts tokenize in tens of microseconds: less than the hop to a thread and
+                # back, which online traffic (one query per request) would pay on every request.
+                ids = self._token_ids(piece, rule, prompt, start)
+            else:
+                ids = await self._on_tokenizer(
+                    inputs, start, k, prompt, lambda texts, at: self._token_ids(texts, rule, prompt, at)
+                )
             if span is not None:
                 span.set_attributes({"embed.inputs": len(ids), "embed.tokens": sum(map(len, ids))})
-        metrics.TOKENIZATION_DURATION.labels(self.name).observe(time.perf_counter() - t0)
         return ids
 
     async def tokenize(self, inputs: Inputs, opts: EmbedOptions | None = None) -> list[list[int]]:
@@ -488,51 +551,26 @@ class Engine:
                     param="chunking",
                 )
             return await self._embed_windowed(inputs, opts, chunk_rule, prompt)  # type: ignore[arg-type]
-        permit = self._admit(inputs, prompt)
-        state = RequestState()
-        loop = asyncio.get_running_loop()
-        tokens = 0
-        submitted: list[Sequence] = []  # for the request's trace spans
+        with _Run(self, self._admit(inputs, prompt)) as run:
 
-        async def start(first: int, k: int) -> list[asyncio.Future]:
-            nonlocal tokens
-            seqs_ids = await self._tokenize_piece(inputs, first, k, rule, prompt)
-            if self.state == "failed":  # a drain still finishes what it admitted; a dead worker cannot
-                self._check_ready()
-            assert self.batcher is not None
-            seqs = [Sequence(ids, loop.create_future(), state, output) for ids in seqs_ids]
-            submitted.extend(seqs)
-            tokens += sum(len(ids) for ids in seqs_ids)
-            # Interactive requests (admitted into the reserve) of few tokens take the priority lane;
-            # see engine/admission.py and batching/policy.py.
-            self.batcher.submit(
-                seqs, priority=permit.interactive and tokens <= self.settings.priority_max_tokens
-            )
-            return [s.future for s in seqs]
+            async def start(first: int, k: int) -> list[asyncio.Future]:
+                return run.submit(await self._tokenize_piece(inputs, first, k, rule, prompt), output)
 
-        try:
-            results = await run_piecewise(permit, len(inputs), start)
-            observability.trace_batches(submitted)
-            normalize = self.spec.normalize if opts.normalize is None else opts.normalize
-            kinds = output.kinds
-            dense = (
-                np.stack([r.dense for r in results])
-                if DENSE in kinds
-                else np.zeros((len(results), 0), np.float32)
-            )
-            vectors = finish(dense, opts.dimensions, normalize)
-            metrics.INPUT_TOKENS.labels(self.name).inc(tokens)
-            return EmbedResult(
-                vectors,
-                tokens,
-                sparse=[self._sparse(r.sparse, opts) for r in results] if SPARSE in kinds else None,
-                colbert=[r.colbert for r in results] if COLBERT in kinds else None,
-            )
-        except BaseException:
-            state.cancelled = True  # the client went away, or a batch failed: drop the rest
-            raise
-        finally:
-            permit.close()
+            results = await run_piecewise(run.permit, len(inputs), start)
+            run.answered()
+        normalize = self.spec.normalize if opts.normalize is None else opts.normalize
+        kinds = output.kinds
+        dense = (
+            np.stack([r.dense for r in results])
+            if DENSE in kinds
+            else np.zeros((len(results), 0), np.float32)
+        )
+        return EmbedResult(
+            finish(dense, opts.dimensions, normalize),
+            run.tokens,
+            sparse=[self._sparse(r.sparse, opts) for r in results] if SPARSE in kinds else None,
+            colbert=[r.colbert for r in results] if COLBERT in kinds else None,
+        )
 
     # --- long inputs as windows (engine/chunking.py) -------------------------------------------------
 
@@ -579,64 +617,34 @@ class Engine:
             chunking.check_chars(inputs, prompt, rule)
         except chunking.ChunkError as exc:
             raise InvalidInputError(str(exc), param=exc.param) from None
-        permit = self.admission.admit(len(inputs))
-        state = RequestState()
-        loop = asyncio.get_running_loop()
-        tokens = 0
         planned: list[list[chunking.Window]] = []
-        submitted: list[Sequence] = []  # for the request's trace spans
+        with _Run(self, self.admission.admit(len(inputs))) as run:
 
-        async def plan_piece(first: int, k: int) -> list[list[chunking.Window]]:
-            done: list[list[chunking.Window]] = []
-            t0 = time.perf_counter()
-            with observability.span("tokenize"):
-                while len(done) < k:
-                    at = first + len(done)
-                    step = _chunk(inputs, at, k - len(done), prompt, self.settings.max_input_chars)
-                    done += await loop.run_in_executor(
-                        self._tokenize_pool, self._plan, inputs[at : at + step], prompt, rule, at
+            async def plan_piece(first: int, k: int) -> list[list[chunking.Window]]:
+                with self._tokenizing():
+                    done = await self._on_tokenizer(
+                        inputs, first, k, prompt, lambda texts, at: self._plan(texts, prompt, rule, at)
                     )
-            metrics.TOKENIZATION_DURATION.labels(self.name).observe(time.perf_counter() - t0)
-            planned.extend(done)
-            return done
+                planned.extend(done)
+                return done
 
-        def submit(windows: list[chunking.Window]) -> list[asyncio.Future]:
-            nonlocal tokens
-            if self.state == "failed":
-                self._check_ready()
-            assert self.batcher is not None
-            seqs = [Sequence(w.ids, loop.create_future(), state) for w in windows]
-            submitted.extend(seqs)
-            tokens += sum(len(w.ids) for w in windows)
-            self.batcher.submit(
-                seqs, priority=permit.interactive and tokens <= self.settings.priority_max_tokens
-            )
-            return [s.future for s in seqs]
+            def submit(windows: list[chunking.Window]) -> list[asyncio.Future]:
+                return run.submit([w.ids for w in windows])
 
-        try:
-            results = await chunking.run_windowed(permit, len(inputs), plan_piece, submit)
-            observability.trace_batches(submitted)
-            normalize = self.spec.normalize if opts.normalize is None else opts.normalize
-            pooled = [np.stack([r.dense for r in rs]) for rs in results]  # per input (w, D)
-            combined = np.stack(
-                [chunking.combine(v, [w.weight for w in ws]) for v, ws in zip(pooled, planned)]
-            )
-            vectors = finish(combined, opts.dimensions, normalize)
-            chunks = None
-            if rule.return_chunks:
-                chunks = [
-                    chunking.Chunks(
-                        [(w.start, w.end, w.weight) for w in ws], finish(v, opts.dimensions, normalize)
-                    )
-                    for v, ws in zip(pooled, planned)
-                ]
-            metrics.INPUT_TOKENS.labels(self.name).inc(tokens)
-            return EmbedResult(vectors, tokens, chunks)
-        except BaseException:
-            state.cancelled = True
-            raise
-        finally:
-            permit.close()
+            results = await chunking.run_windowed(run.permit, len(inputs), plan_piece, submit)
+            run.answered()
+        normalize = self.spec.normalize if opts.normalize is None else opts.normalize
+        pooled = [np.stack([r.dense for r in rs]) for rs in results]  # per input (w, D)
+        combined = np.stack([chunking.combine(v, [w.weight for w in ws]) for v, ws in zip(pooled, planned)])
+        chunks = None
+        if rule.return_chunks:
+            chunks = [
+                chunking.Chunks(
+                    [(w.start, w.end, w.weight) for w in ws], finish(v, opts.dimensions, normalize)
+                )
+                for v, ws in zip(pooled, planned)
+            ]
+        return EmbedResult(finish(combined, opts.dimensions, normalize), run.tokens, chunks)
 
     # --- scoring models: rerank and classify (engine/scoring.py) ----------------------------------------
 
@@ -712,52 +720,21 @@ class Engine:
         """Admit, tokenize (`encode(piece, first)` on a tokenization thread), batch and run scoring
         sequences; their (n, labels) logits and token count. A request of thousands of documents is
         admitted piecewise and batched by tokens, like any other work."""
-        permit = self.admission.admit(len(texts))
-        state = RequestState()
-        loop = asyncio.get_running_loop()
-        tokens = 0
-        submitted: list[Sequence] = []
         kinds = frozenset({SCORE})
+        with _Run(self, self.admission.admit(len(texts))) as run:
 
-        async def start(first: int, k: int) -> list[asyncio.Future]:
-            nonlocal tokens
-            t0 = time.perf_counter()
-            encoded: list[tuple[list[int], int]] = []
-            with observability.span("tokenize"):
-                try:
-                    while len(encoded) < k:
-                        at = first + len(encoded)
-                        step = _chunk(texts, at, k - len(encoded), query, self.settings.max_input_chars)
-                        encoded += await loop.run_in_executor(
-                            self._tokenize_pool, encode, texts[at : at + step], at
-                        )
-                except (InputTooLongError, InvalidTokenError, InputCharsError) as exc:
-                    raise InvalidInputError(str(exc)) from None
-            metrics.TOKENIZATION_DURATION.labels(self.name).observe(time.perf_counter() - t0)
-            if self.state == "failed":
-                self._check_ready()
-            assert self.batcher is not None
-            seqs = [
-                Sequence(ids, loop.create_future(), state, OutputRequest(kinds, second))
-                for ids, second in encoded
-            ]
-            submitted.extend(seqs)
-            tokens += sum(len(ids) for ids, _ in encoded)
-            self.batcher.submit(
-                seqs, priority=permit.interactive and tokens <= self.settings.priority_max_tokens
-            )
-            return [s.future for s in seqs]
+            async def start(first: int, k: int) -> list[asyncio.Future]:
+                with self._tokenizing():
+                    encoded: list[tuple[list[int], int]] = await self._on_tokenizer(
+                        texts, first, k, query, encode
+                    )
+                return run.submit(
+                    [ids for ids, _ in encoded], [OutputRequest(kinds, second) for _, second in encoded]
+                )
 
-        try:
-            results = await run_piecewise(permit, len(texts), start)
-            observability.trace_batches(submitted)
-            metrics.INPUT_TOKENS.labels(self.name).inc(tokens)
-            return np.stack([r.score for r in results]), tokens
-        except BaseException:
-            state.cancelled = True
-            raise
-        finally:
-            permit.close()
+            results = await run_piecewise(run.permit, len(texts), start)
+            run.answered()
+        return np.stack([r.score for r in results]), run.tokens
 
     def info(self) -> dict[str, Any]:
         s = self.settings
