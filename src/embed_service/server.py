@@ -204,7 +204,7 @@ def uvicorn_config(app, settings: ServerSettings) -> uvicorn.Config:
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=int(settings.drain_timeout) + 5,
-        **uvicorn_options(settings),
+        **uvicorn_options(settings, "" if app is None else app.state.server.models.default.name),
     )
 
 

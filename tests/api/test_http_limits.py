@@ -114,6 +114,7 @@ def test_a_head_sent_a_byte_at_a_time_is_cut_at_the_header_timeout(server):
 
 
 def test_the_408_for_a_slow_head_is_in_the_error_shape(server):
+    before = status_count(server, "408")
     sock = connect(server.port)
     sock.sendall(b"GET /live HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finished
     start = time.monotonic()
@@ -122,6 +123,7 @@ def test_the_408_for_a_slow_head_is_in_the_error_shape(server):
     assert time.monotonic() - start < HEADER_TIMEOUT + SLACK
     assert closed_within(sock, SLACK)
     sock.close()
+    assert status_count(server, "408") == before + 1  # counted, though no route saw it
 
 
 def test_a_declared_body_that_never_comes_is_408_at_the_body_timeout(server):
@@ -158,6 +160,7 @@ def test_an_idle_kept_alive_connection_is_closed(server):
 
 
 def test_a_head_past_the_limit_is_431(server):
+    before = status_count(server, "431")
     # All at once: the head is complete, and too large.
     sock = connect(server.port)
     sock.sendall(head("GET", "/live", {"X-Big": "a" * (2 * MAX_HEAD)}))
@@ -183,9 +186,11 @@ def test_a_head_past_the_limit_is_431(server):
     assert reply is None or reply.status == 431
     sock.close()
     still_serving(server)
+    assert status_count(server, "431") == before + 2
 
 
 def test_connections_past_the_limit_get_503_with_retry_after(server):
+    before = status_count(server, "503")
     idle = [connect(server.port) for _ in range(MAX_CONNECTIONS)]
     late = connect(server.port)
     late.sendall(head("GET", "/live"))
@@ -197,10 +202,26 @@ def test_connections_past_the_limit_get_503_with_retry_after(server):
     for s in [*idle, late]:
         s.close()
     deadline = time.monotonic() + 10
+    refused = 1
     while time.monotonic() < deadline:  # the server sees the closes within moments
-        if httpx.get(server.url + "/live").status_code == 200:
+        status = httpx.get(server.url + "/live").status_code
+        if status == 200:
             break
+        refused += status == 503
         time.sleep(0.1)
+    still_serving(server)
+    assert status_count(server, "503") == before + refused
+
+
+def test_an_invalid_request_head_is_400_and_counted(server):
+    before = status_count(server, "400")
+    sock = connect(server.port)
+    sock.sendall(b"GET /live HTTP/1.1\r\nHost 127.0.0.1\r\n\r\n")  # a header line without its colon
+    err = assert_openai_error(read_reply(sock), 400)
+    assert err["code"] == "invalid_http_request"
+    assert closed_within(sock, SLACK)
+    sock.close()
+    assert status_count(server, "400") == before + 1
     still_serving(server)
 
 

@@ -15,6 +15,9 @@ clients fail with nothing said. This module adds, per connection:
   went out before its body was in);
 - past ``max_connections`` open connections, a request gets 503 in the API's error shape with
   ``Retry-After`` and its connection is closed; the limit is fitted to the open-file limit at start-up.
+
+Each of these answers is counted in ``embed_requests_total`` under the default model, as the app counts a
+request that names none, so a dashboard's error rate sees the clients refused before any route.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any, ClassVar
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from embed_service import metrics
 from embed_service.api.errors import RETRY_AFTER, APIError, error_body, unavailable
 from embed_service.config import ServerSettings
 
@@ -108,6 +112,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     limits: ClassVar[HttpLimits]
     too_many: ClassVar[Any]
+    model: ClassVar[str]  # the label its refusals are counted under
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -175,6 +180,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             super().on_headers_complete()
             return
         _log_too_many("more than %d open connections: answering 503", self.limits.max_connections)
+        self._count(503)
         real, self.app = self.app, self.too_many
         try:
             super().on_headers_complete()
@@ -236,6 +242,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """Answer from here (no app involved) and close; a response still in progress is cut instead."""
         self._refused = True
         self._disarm()
+        self._count(status)
         if self.cycle is None or self.cycle.response_complete:
             body = error_body(APIError(status, message, "invalid_request_error", code=code))
             headers = [*self.server_state.default_headers, *_json_headers(body, [])]
@@ -243,15 +250,19 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.write(STATUS_LINE[status] + head + b"\r\n" + body)
         self.transport.close()
 
+    def _count(self, status: int) -> None:
+        metrics.REQUESTS.labels(self.model, str(status)).inc()
+
     def _peer(self) -> str:
         return f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
 
 
-def protocol_class(limits: HttpLimits) -> type[LimitedHttpToolsProtocol]:
+def protocol_class(limits: HttpLimits, model: str) -> type[LimitedHttpToolsProtocol]:
+    too_many = staticmethod(too_many_connections_app(limits.max_connections))
     return type(
         "LimitedHttpToolsProtocol",
         (LimitedHttpToolsProtocol,),
-        {"limits": limits, "too_many": staticmethod(too_many_connections_app(limits.max_connections))},
+        {"limits": limits, "too_many": too_many, "model": model},
     )
 
 
@@ -292,8 +303,9 @@ def fit_connections(max_connections: int) -> int:
     return max_connections
 
 
-def uvicorn_options(settings: ServerSettings) -> dict[str, Any]:
-    """The `uvicorn.Config` arguments that set the HTTP protocol and its limits."""
+def uvicorn_options(settings: ServerSettings, model: str) -> dict[str, Any]:
+    """The `uvicorn.Config` arguments that set the HTTP protocol and its limits (`model`: the default
+    model's name, which its refusals are counted under)."""
     limits = HttpLimits(
         max_header_bytes=settings.max_header_bytes,
         header_timeout=settings.header_timeout,
@@ -301,4 +313,4 @@ def uvicorn_options(settings: ServerSettings) -> dict[str, Any]:
         keep_alive_timeout=settings.keep_alive_timeout,
         max_connections=fit_connections(settings.max_connections),
     )
-    return {"http": protocol_class(limits), "ws": "none", "limit_concurrency": None}
+    return {"http": protocol_class(limits, model), "ws": "none", "limit_concurrency": None}
