@@ -697,7 +697,7 @@ class Engine:
         opts = opts or EmbedOptions()
         self._check_ready()
         score = self._score_spec("classify")
-        if score.head == "yes_no":
+        if score.head in ("yes_no", "logit_score"):
             raise InvalidInputError(f"model {self.name} is an LLM reranker: it reranks, it does not classify")
         rule = self.truncation(opts)
         check_request(inputs, None, self.limits)
