@@ -364,13 +364,31 @@ def _edited_copy(src: Path, dst: Path, file: str, **changes: object) -> Path:
     return dst
 
 
-def test_logit_score_true_token_only_equals_cross_encoder(served, tmp_path):
-    """false_token_id null: the score is sigmoid(logit of the true token). The spec and head in process, on the
-    CrossEncoder's own backbone's last hidden states over our pair tokenization."""
+def _in_process_scores(path: Path, query: str, documents: list[str]) -> tuple[np.ndarray, list[list[int]]]:
+    """The spec, pair tokenizer and head the server would use, on the CrossEncoder's own backbone's last
+    hidden states: (scores after the activation, the token ids of each pair)."""
     from tokenizers import Tokenizer
 
-    from embed_service.engine.scoring import PairTokenizer, activate
+    from embed_service.engine.scoring import activate, pair_tokenizer
     from embed_service.models.scoring import load_head
+    from embed_service.models.spec import load_spec
+
+    spec = load_spec(path)
+    assert spec.score is not None
+    head = load_head(spec, torch.device("cpu"))
+    backbone = cross_encoder(path)[0].model.model
+    pairs = pair_tokenizer(spec, Tokenizer.from_file(str(path / "tokenizer.json")).to_str(), "")
+    logits, tokens = [], []
+    with torch.inference_mode():
+        for ids, _ in pairs.encode(query, documents, truncate=True):
+            hidden = backbone(torch.tensor([ids])).last_hidden_state[0]
+            logits.append(head(hidden, torch.tensor([0, len(ids)], dtype=torch.int32)).numpy()[0])
+            tokens.append(ids)
+    return activate(np.array(logits), spec.score.rerank_activation)[:, 0], tokens
+
+
+def test_logit_score_true_token_only_equals_cross_encoder(served, tmp_path):
+    """false_token_id null: the score is sigmoid(logit of the true token)."""
     from embed_service.models.spec import load_spec
 
     path = _edited_copy(
@@ -378,19 +396,62 @@ def test_logit_score_true_token_only_equals_cross_encoder(served, tmp_path):
     )
     spec = load_spec(path)
     assert spec.score is not None and spec.score.logit_ids is not None and len(spec.score.logit_ids) == 1
-    head = load_head(spec, torch.device("cpu"))
     model = cross_encoder(path)
     assert model[-1].false_token_id is None
-    pairs = PairTokenizer(
-        Tokenizer.from_file(str(path / "tokenizer.json")).to_str(), spec.max_input_length, False
-    )
     query, documents = QUERIES[0], DOCUMENTS[::4]
-    logits = []
-    with torch.inference_mode():
-        for ids, _ in pairs.encode(query, documents, truncate=True):
-            hidden = model[0].model.model(torch.tensor([ids])).last_hidden_state[0]
-            logits.append(head(hidden, torch.tensor([0, len(ids)], dtype=torch.int32)).numpy()[0])
-    ours = activate(np.array(logits), spec.score.rerank_activation)[:, 0]
+    ours, _ = _in_process_scores(path, query, documents)
+    reference = model.predict([(query, d) for d in documents]).astype(np.float32)
+    np.testing.assert_allclose(ours, reference, rtol=0, atol=TOLERANCE)
+
+
+# Reranker chat templates of the kind sentence-transformers 6 documents: the pair as a `query` and a
+# `document` message, content as text (flat) or as typed parts (structured), ending on the assistant turn.
+_TEMPLATE = """{%- set query = QUERY -%}
+{%- set document = DOCUMENT -%}
+<|im_start|>system
+Judge whether the Document is relevant to the Query. Answer only "yes" or "no".<|im_end|>
+<|im_start|>user
+<Query>: {{ query }}
+<Document>: {{ document }}<|im_end|>
+<|im_start|>assistant
+"""
+FLAT = _TEMPLATE.replace(
+    "QUERY", 'messages | selectattr("role", "eq", "query") | map(attribute="content") | first'
+).replace("DOCUMENT", 'messages | selectattr("role", "eq", "document") | map(attribute="content") | first')
+STRUCTURED = _TEMPLATE.replace(
+    "QUERY", '(messages | selectattr("role", "eq", "query") | first).content[0].text'
+).replace("DOCUMENT", '(messages | selectattr("role", "eq", "document") | first).content[0].text')
+
+
+@pytest.mark.parametrize(("chat_format", "template"), [("flat", FLAT), ("structured", STRUCTURED)])
+def test_logit_score_chat_template_pairs_equal_cross_encoder(
+    tmp_path, tokenizer_sources, chat_format, template
+):
+    """With a chat template, CrossEncoder renders each pair through it (the message modality): the same
+    token ids as its preprocess, to the id, including rows cut at the max length with the template's tail
+    written back; the same scores."""
+    from embed_service.models.spec import load_spec
+
+    path = build(
+        "Qwen3ForCausalLM",
+        QWEN3,
+        "bpe",
+        tmp_path / "chat",
+        tokenizer_sources,
+        chat_template=template,
+        max_length=64,
+    )
+    spec = load_spec(path)
+    assert spec.score is not None and spec.score.chat_format == chat_format
+    model = cross_encoder(path)
+    query, documents = QUERIES[0], DOCUMENTS[::3]  # passages past 64 tokens and short edge texts
+    ours, tokens = _in_process_scores(path, query, documents)
+    features = model[0].preprocess([(query, d) for d in documents])
+    expected = [
+        row[mask.bool()].tolist() for row, mask in zip(features["input_ids"], features["attention_mask"])
+    ]
+    assert tokens == expected
+    assert any(len(t) == 64 for t in tokens) and any(len(t) < 64 for t in tokens)
     reference = model.predict([(query, d) for d in documents]).astype(np.float32)
     np.testing.assert_allclose(ours, reference, rtol=0, atol=TOLERANCE)
 

@@ -79,6 +79,10 @@ class ScoreSpec:
     logit_ids: tuple[int, ...] | None = None
     """A sentence-transformers LogitScore module's (true,) or (true, false) token ids: the score is the true
     token's logit, less the false token's when there is one."""
+    chat_format: str | None = None
+    """A LogitScore model whose pairs go through the tokenizer's chat template (sentence-transformers'
+    message modality): how a message's content is written, "flat" (the text) or "structured" (a list of
+    typed parts). None: pairs are tokenized as two texts."""
 
 
 # sentence-transformers' SparseEncoder (SPLADE): the architectures whose masked-LM head models/bert.py builds,
@@ -360,9 +364,10 @@ def _logit_score(
     """A sentence-transformers 6 LLM cross-encoder (modules.json: a text-generation Transformer, then
     LogitScore): the true token's logit at the last token, less the false token's when there is one, then
     CrossEncoder's activation. Its input is what CrossEncoder.predict feeds such a folder without a chat
-    template: ``tokenizer(query, document)`` cut longest_first (engine/scoring.py PairTokenizer). Anything
-    else the files ask for (a chat template's messages, another logits input, processing options, a
-    default prompt) is refused here rather than scored differently."""
+    template: ``tokenizer(query, document)`` cut longest_first (engine/scoring.py PairTokenizer); with the
+    message modality, the chat template's render of a query and a document message (ChatPairTokenizer).
+    Anything else the files ask for (another logits input, processing options, a default prompt) is
+    refused here rather than scored differently."""
     found = [m for m in modules if m.get("type", "").rsplit(".", 1)[-1] == "LogitScore"]
     if not found:
         return None
@@ -393,24 +398,29 @@ def _logit_score(
             f"{where}: module_input_name {logits!r} is not what the Transformer module gives ({produced!r})"
         )
     # The saved modality config (else the one sentence-transformers infers: text, and message when the
-    # tokenizer has a chat template) says how a pair reaches the model.
+    # tokenizer has a chat template) says how a pair reaches the model: with message, through the template.
+    template = _chat_template(path)
     modalities = st.get("modality_config")
     if modalities is None:
-        tk_file = path / "tokenizer_config.json"
-        tk = _read_json(tk_file) if tk_file.is_file() else {}
-        templated = (path / "chat_template.jinja").is_file() or bool(
-            isinstance(tk, dict) and tk.get("chat_template")
-        )
-        modalities = {"text": {}, **({"message": {}} if templated else {})}
-    text = (modalities or {}).get("text") or {}
-    if set(modalities or {}) != {"text"} or text.get("method", "forward") != "forward":
-        raise ValueError(
-            f"{st_file}: modalities {sorted(modalities or {})}: only text pairs without a chat template "
-            "are supported for a LogitScore model (sentence-transformers renders pairs through the chat "
-            "template when the message modality is listed); --llm-reranker serves a Qwen3-Reranker prompt"
-        )
-    if text.get("method_output_name", "logits") != "logits":
-        raise ValueError(f"{st_file}: the text modality's output must be the logits")
+        modalities = {"text": {}, **({"message": {}} if template is not None else {})}
+    if not isinstance(modalities, dict) or not set(modalities) <= {"text", "message"}:
+        raise ValueError(f"{st_file}: modality_config {modalities!r}: only text and message are supported")
+    for name, m in modalities.items():
+        m = m if isinstance(m, dict) else {}
+        if m.get("method", "forward") != "forward" or m.get("method_output_name", "logits") != "logits":
+            raise ValueError(f"{st_file}: the {name} modality must give the causal LM's logits (forward)")
+    chat_format = None
+    if "message" in modalities:
+        if not isinstance(template, str):
+            raise ValueError(
+                f"{path}: pairs go through the chat template (the message modality), but the tokenizer has "
+                "no chat template (one string in chat_template.jinja or tokenizer_config.json)"
+            )
+        chat_format = (modalities["message"] or {}).get("format", "auto")
+        if chat_format == "auto":
+            chat_format = _message_format(str(config.get("model_type", "")), template)
+        if chat_format not in ("flat", "structured"):
+            raise ValueError(f"{st_file}: message format {chat_format!r} is not flat or structured")
     if st.get("processing_kwargs") or st.get("do_lower_case"):
         raise ValueError(
             f"{st_file}: processing_kwargs and do_lower_case are not supported for a LogitScore model"
@@ -420,7 +430,29 @@ def _logit_score(
     if isinstance(ce, dict) and ce.get("default_prompt_name"):
         raise ValueError(f"{ce_file}: a default prompt is not supported for a LogitScore model")
     rerank = _ce_activation(path, config, 1)
-    return ScoreSpec("logit_score", ("score",), rerank, rerank, logit_ids=tuple(ids))
+    return ScoreSpec("logit_score", ("score",), rerank, rerank, logit_ids=tuple(ids), chat_format=chat_format)
+
+
+def _chat_template(path: Path) -> Any:
+    """The tokenizer's chat template as transformers reads it: chat_template.jinja, else the
+    tokenizer_config.json key (a string, or a list of named templates); None without one."""
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text(encoding="utf-8")
+    tk_file = path / "tokenizer_config.json"
+    tk = _read_json(tk_file) if tk_file.is_file() else {}
+    return tk.get("chat_template") if isinstance(tk, dict) else None
+
+
+# sentence-transformers' message format for a chat template (base/modality.py InputFormatter._infer_format):
+# its model types known to be flat, else structured when the template reads typed content parts.
+_FLAT_MODEL_TYPES = ("apertus", "deepseek_v3", "gpt_oss", "seed_oss")
+_STRUCTURED_PATTERNS = ("content[0]", ".type", "'type'", '"type"', "item.type", "message.content[")
+
+
+def _message_format(model_type: str, template: str) -> str:
+    if model_type in _FLAT_MODEL_TYPES:
+        return "flat"
+    return "structured" if any(p in template for p in _STRUCTURED_PATTERNS) else "flat"
 
 
 def _vocab_id(path: Path, token: str) -> int:
