@@ -38,15 +38,16 @@ def build(
     activation: torch.nn.Module | None = None,
     cross_encoder: bool = True,
     max_length: int | None = None,
+    chat_template: str | None = None,
 ) -> Path:
     """Write a tiny scoring model to `path`; with `cross_encoder`, re-saved by CrossEncoder (with
-    `activation`, else its default)."""
+    `activation`, else its default). The tokenizer keeps no chat template but `chat_template`."""
     torch.manual_seed(0)
     model = getattr(T, model_class)(config).eval()
     randomize(model, seed=1)
     model.save_pretrained(str(path))
     tok = load_tokenizer(tokenizer, sources)
-    tok.chat_template = None
+    tok.chat_template = chat_template
     if max_length is not None:
         tok.model_max_length = max_length
     pad = model.config.pad_token_id

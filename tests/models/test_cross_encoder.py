@@ -134,6 +134,10 @@ def served(tmp_path_factory, tokenizer_sources) -> Iterator[dict[str, Served]]:
     servers["qwen3-reranker"] = ServerProcess(
         "--model", str(paths["qwen3-reranker"]), *common, "--llm-reranker"
     )
+    # The same causal LM saved by sentence-transformers 6 as an LLM cross-encoder (Transformer + LogitScore),
+    # served without --llm-reranker.
+    paths["logit-score"] = build("Qwen3ForCausalLM", QWEN3, "bpe", root / "logit-score", tokenizer_sources)
+    servers["logit-score"] = ServerProcess("--model", str(paths["logit-score"]), *common)
     servers["bert-tp2"] = ServerProcess(
         "--model", str(paths["bert"]), "--dtype", "float32", "--tensor-parallel-size", "2"
     )
@@ -317,3 +321,161 @@ def test_llm_reranker_equals_the_causal_lm_on_its_prompt(served):
     assert embedding_and_layers < 2 * QWEN3.vocab_size * hidden * 4  # no second V x H table
     r = httpx.post(server.url + "/classify", json={"input": ["a"]}, timeout=30)
     assert r.status_code == 400
+
+
+def test_logit_score_folder_equals_cross_encoder_predict(served):
+    """A sentence-transformers 6 LLM cross-encoder folder, detected by its LogitScore module: its scores are
+    CrossEncoder.predict's (the true-token logit less the false one's at the last token, then sigmoid) on the
+    pairs as it tokenizes them (no chat template: tokenizer(query, document), longest_first)."""
+    from sentence_transformers.cross_encoder.modules import LogitScore
+
+    path, server = served["logit-score"].path, served["logit-score"].server
+    model = cross_encoder(path)
+    assert isinstance(model[-1], LogitScore) and model[-1].false_token_id is not None
+    worst = 0.0
+    for query in QUERIES:  # two short queries and one past the max length with the long passages
+        body = rerank(server, query, DOCUMENTS)
+        ours = scores_by_index(body, len(DOCUMENTS))
+        reference = model.predict([(query, d) for d in DOCUMENTS], batch_size=16).astype(np.float32)
+        worst = max(worst, float(np.abs(ours - reference).max()))
+        np.testing.assert_allclose(ours, reference, rtol=0, atol=TOLERANCE)
+        assert_same_order([r["index"] for r in body["results"]], reference)
+    print(f"LogitScore folder: max abs diff to CrossEncoder.predict {worst:.2e}")
+    info = httpx.get(server.url + "/info", timeout=10).json()
+    assert info["outputs"] == ["score"]
+    # Two LM-head rows, not the 49,152-row table.
+    assert info["parameter_bytes_per_rank"][0] < 2 * QWEN3.vocab_size * QWEN3.hidden_size * 4
+    r = httpx.post(server.url + "/classify", json={"input": ["a"]}, timeout=30)
+    assert r.status_code == 400
+    r = httpx.post(
+        server.url + "/rerank", json={"query": "q", "documents": ["d"], "instruction": "x"}, timeout=30
+    )
+    assert r.status_code == 400  # CrossEncoder has no instruction to give
+
+
+def _edited_copy(src: Path, dst: Path, file: str, **changes: object) -> Path:
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / file).read_text())
+    cfg.update(changes)
+    (dst / file).write_text(json.dumps(cfg))
+    return dst
+
+
+def _in_process_scores(path: Path, query: str, documents: list[str]) -> tuple[np.ndarray, list[list[int]]]:
+    """The spec, pair tokenizer and head the server would use, on the CrossEncoder's own backbone's last
+    hidden states: (scores after the activation, the token ids of each pair)."""
+    from tokenizers import Tokenizer
+
+    from embed_service.engine.scoring import activate, pair_tokenizer
+    from embed_service.models.scoring import load_head
+    from embed_service.models.spec import load_spec
+
+    spec = load_spec(path)
+    assert spec.score is not None
+    head = load_head(spec, torch.device("cpu"))
+    backbone = cross_encoder(path)[0].model.model
+    pairs = pair_tokenizer(spec, Tokenizer.from_file(str(path / "tokenizer.json")).to_str(), "")
+    logits, tokens = [], []
+    with torch.inference_mode():
+        for ids, _ in pairs.encode(query, documents, truncate=True):
+            hidden = backbone(torch.tensor([ids])).last_hidden_state[0]
+            logits.append(head(hidden, torch.tensor([0, len(ids)], dtype=torch.int32)).numpy()[0])
+            tokens.append(ids)
+    return activate(np.array(logits), spec.score.rerank_activation)[:, 0], tokens
+
+
+def test_logit_score_true_token_only_equals_cross_encoder(served, tmp_path):
+    """false_token_id null: the score is sigmoid(logit of the true token)."""
+    from embed_service.models.spec import load_spec
+
+    path = _edited_copy(
+        served["logit-score"].path, tmp_path / "true-only", "1_LogitScore/config.json", false_token_id=None
+    )
+    spec = load_spec(path)
+    assert spec.score is not None and spec.score.logit_ids is not None and len(spec.score.logit_ids) == 1
+    model = cross_encoder(path)
+    assert model[-1].false_token_id is None
+    query, documents = QUERIES[0], DOCUMENTS[::4]
+    ours, _ = _in_process_scores(path, query, documents)
+    reference = model.predict([(query, d) for d in documents]).astype(np.float32)
+    np.testing.assert_allclose(ours, reference, rtol=0, atol=TOLERANCE)
+
+
+# Reranker chat templates of the kind sentence-transformers 6 documents: the pair as a `query` and a
+# `document` message, content as text (flat) or as typed parts (structured), ending on the assistant turn.
+_TEMPLATE = """{%- set query = QUERY -%}
+{%- set document = DOCUMENT -%}
+<|im_start|>system
+Judge whether the Document is relevant to the Query. Answer only "yes" or "no".<|im_end|>
+<|im_start|>user
+<Query>: {{ query }}
+<Document>: {{ document }}<|im_end|>
+<|im_start|>assistant
+"""
+FLAT = _TEMPLATE.replace(
+    "QUERY", 'messages | selectattr("role", "eq", "query") | map(attribute="content") | first'
+).replace("DOCUMENT", 'messages | selectattr("role", "eq", "document") | map(attribute="content") | first')
+STRUCTURED = _TEMPLATE.replace(
+    "QUERY", '(messages | selectattr("role", "eq", "query") | first).content[0].text'
+).replace("DOCUMENT", '(messages | selectattr("role", "eq", "document") | first).content[0].text')
+
+
+@pytest.mark.parametrize(("chat_format", "template"), [("flat", FLAT), ("structured", STRUCTURED)])
+def test_logit_score_chat_template_pairs_equal_cross_encoder(
+    tmp_path, tokenizer_sources, chat_format, template
+):
+    """With a chat template, CrossEncoder renders each pair through it (the message modality): the same
+    token ids as its preprocess, to the id, including rows cut at the max length with the template's tail
+    written back; the same scores."""
+    from embed_service.models.spec import load_spec
+
+    path = build(
+        "Qwen3ForCausalLM",
+        QWEN3,
+        "bpe",
+        tmp_path / "chat",
+        tokenizer_sources,
+        chat_template=template,
+        max_length=64,
+    )
+    spec = load_spec(path)
+    assert spec.score is not None and spec.score.chat_format == chat_format
+    model = cross_encoder(path)
+    query, documents = QUERIES[0], DOCUMENTS[::3]  # passages past 64 tokens and short edge texts
+    ours, tokens = _in_process_scores(path, query, documents)
+    features = model[0].preprocess([(query, d) for d in documents])
+    expected = [
+        row[mask.bool()].tolist() for row, mask in zip(features["input_ids"], features["attention_mask"])
+    ]
+    assert tokens == expected
+    assert any(len(t) == 64 for t in tokens) and any(len(t) < 64 for t in tokens)
+    reference = model.predict([(query, d) for d in documents]).astype(np.float32)
+    np.testing.assert_allclose(ours, reference, rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize(
+    ("file", "changes", "message"),
+    [
+        ("1_LogitScore/config.json", {"module_input_name": "token_embeddings"}, "module_input_name"),
+        ("1_LogitScore/config.json", {"true_token_id": 10**6}, "true_token_id"),
+        (
+            "sentence_bert_config.json",
+            {
+                "modality_config": {
+                    "text": {"method": "forward", "method_output_name": "logits"},
+                    "message": {},
+                }
+            },
+            "chat template",
+        ),
+    ],
+)
+def test_an_unsupported_logit_score_folder_is_refused_at_start(served, tmp_path, file, changes, message):
+    from embed_service.models.spec import load_spec
+
+    path = _edited_copy(served["logit-score"].path, tmp_path / "bad", file, **changes)
+    with pytest.raises(ValueError, match=message):
+        load_spec(path)

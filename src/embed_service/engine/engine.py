@@ -28,11 +28,13 @@ from embed_service.engine.admission import Admission, Limits, Permit, check_requ
 from embed_service.engine.errors import InvalidInputError, NotReadyError
 from embed_service.engine.replicas import Replicas
 from embed_service.engine.scoring import (
+    ChatPairTokenizer,
     PairTokenizer,
     PromptTokenizer,
     ScoreResult,
     activate,
     check_pairs,
+    pair_tokenizer,
 )
 from embed_service.engine.tokenizer import (
     InputCharsError,
@@ -222,6 +224,8 @@ class Engine:
                 f"({spec.max_input_length}): the longest input could never be batched"
             )
         self.tokenizer = Tokenizer(spec)
+        if spec.score is not None:
+            self._pairs  # noqa: B018 (built now: a chat template that cannot carry a pair fails the start)
         self.device = plan.device if plan else resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, self.device)
         tp = settings.tensor_parallel_size
@@ -649,12 +653,8 @@ class Engine:
     # --- scoring models: rerank and classify (engine/scoring.py) ----------------------------------------
 
     @functools.cached_property
-    def _pairs(self) -> PairTokenizer | PromptTokenizer:
-        backend = self.tokenizer.backend.to_str()
-        if self.spec.score is not None and self.spec.score.head == "yes_no":
-            return PromptTokenizer(backend, self.spec.max_input_length, self.settings.rerank_instruction)
-        types = int(self.spec.config.get("type_vocab_size", 0)) > 1  # RoBERTa's table has one row
-        return PairTokenizer(backend, self.spec.max_input_length, types)
+    def _pairs(self) -> PairTokenizer | PromptTokenizer | ChatPairTokenizer:
+        return pair_tokenizer(self.spec, self.tokenizer.backend.to_str(), self.settings.rerank_instruction)
 
     def _score_spec(self, route: str) -> ScoreSpec:
         if self.spec.score is None:
@@ -705,7 +705,7 @@ class Engine:
         opts = opts or EmbedOptions()
         self._check_ready()
         score = self._score_spec("classify")
-        if score.head == "yes_no":
+        if score.head in ("yes_no", "logit_score"):
             raise InvalidInputError(f"model {self.name} is an LLM reranker: it reranks, it does not classify")
         rule = self.truncation(opts)
         check_request(inputs, None, self.limits)

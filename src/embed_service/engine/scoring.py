@@ -15,12 +15,14 @@ document).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from embed_service.engine.admission import Limits
 from embed_service.engine.errors import InvalidInputError
 from embed_service.engine.tokenizer import InputTooLongError
+from embed_service.models.spec import ModelSpec
 
 
 @dataclass
@@ -141,11 +143,7 @@ class PromptTokenizer:
         first: int = 0,
         instruction: str | None = None,
     ) -> list[tuple[list[int], int]]:
-        if doc_tokens is not None:  # the document's first tokens, as text, before it joins the body
-            cut = []
-            for d, enc in zip(documents, self.tok.encode_batch(documents, add_special_tokens=False)):
-                cut.append(d[: enc.offsets[doc_tokens - 1][1]] if len(enc.ids) > doc_tokens else d)
-            documents = cut
+        documents = _first_tokens(self.tok, documents, doc_tokens)
         bodies = [
             QWEN3_BODY.format(instruction=instruction or self.instruction, query=query, document=d)
             for d in documents
@@ -161,6 +159,102 @@ class PromptTokenizer:
                 ids = ids[: self.body_tokens]
             out.append((self.prefix + ids + self.suffix, 0))
         return out
+
+
+def _first_tokens(tok: Any, documents: list[str], doc_tokens: int | None) -> list[str]:
+    """Each document cut to its first `doc_tokens` tokens, as text (before it joins a prompt)."""
+    if doc_tokens is None:
+        return documents
+    cut = []
+    for d, enc in zip(documents, tok.encode_batch(documents, add_special_tokens=False)):
+        cut.append(d[: enc.offsets[doc_tokens - 1][1]] if len(enc.ids) > doc_tokens else d)
+    return cut
+
+
+# Texts the chat template must carry into its render (sentence-transformers' pair-role probe) and the two
+# fillers whose renders' common token tail is the template's suffix.
+_PROBES = (("alpha", "bravo"), ("charlie", "bravo"), ("alpha", "foxtrot"))
+_FILLERS = ("0", "1 2 3 4")
+
+
+class ChatPairTokenizer:
+    """A LogitScore model's pairs as sentence-transformers 6 feeds them when its tokenizer has a chat template
+    (the message modality): a ``query`` and a ``document`` message rendered by the template (transformers'
+    apply_chat_template, no generation prompt), tokenized without special tokens, cut from the right to the
+    max input length, and then, on a row that reached the max length, the template's suffix (the common
+    token tail of two renders with different contents) written back over its last tokens, so that the last
+    token is still the template's. Same `encode` as PairTokenizer; no token types."""
+
+    def __init__(self, path: str, backend_json: str, max_length: int, chat_format: str):
+        from tokenizers import Tokenizer
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(path)  # its apply_chat_template renders the messages
+        self.tok = Tokenizer.from_str(backend_json)
+        self.tok.no_truncation()
+        self.tok.no_padding()
+        self.max_length = max_length
+        self.chat_format = chat_format
+        base, *varied = (self._render(q, d) for q, d in _PROBES)
+        dropped = [role for role, render in zip(("query", "document"), varied) if render == base]
+        if dropped:
+            raise ValueError(
+                f"{path}: the chat template does not carry the {' and '.join(dropped)} message into its "
+                "render (sentence-transformers refuses it too)"
+            )
+        first, second = (self._ids(self._render(f, f)) for f in _FILLERS)
+        common = 0
+        for a, b in zip(reversed(first), reversed(second)):
+            if a != b:
+                break
+            common += 1
+        self.suffix = first[len(first) - common :] if 0 < common < min(len(first), len(second)) else []
+
+    def _render(self, query: str, document: str) -> str:
+        def message(role: str, text: str) -> dict[str, Any]:
+            content: Any = text if self.chat_format == "flat" else [{"type": "text", "text": text}]
+            return {"role": role, "content": content}
+
+        return str(
+            self.hf.apply_chat_template(
+                [message("query", query), message("document", document)], tokenize=False
+            )
+        )
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False).ids)
+
+    def encode(
+        self, query: str, documents: list[str], truncate: bool, doc_tokens: int | None = None, first: int = 0
+    ) -> list[tuple[list[int], int]]:
+        documents = _first_tokens(self.tok, documents, doc_tokens)
+        renders = [self._render(query, d) for d in documents]
+        out = []
+        for i, enc in enumerate(self.tok.encode_batch(renders, add_special_tokens=False)):
+            ids = list(enc.ids)
+            if len(ids) > self.max_length and not truncate:
+                raise InputTooLongError(first + i, len(ids), self.max_length)
+            if len(ids) >= self.max_length:
+                ids = ids[: self.max_length]
+                keep = min(len(self.suffix), len(ids))
+                if keep:
+                    ids[len(ids) - keep :] = self.suffix[len(self.suffix) - keep :]
+            out.append((ids, 0))
+        return out
+
+
+def pair_tokenizer(
+    spec: ModelSpec, backend_json: str, instruction: str
+) -> PairTokenizer | PromptTokenizer | ChatPairTokenizer:
+    """How a scoring model's (query, document) pairs are tokenized: the Qwen3-Reranker prompt
+    (--llm-reranker), a LogitScore model's chat template, else the tokenizer's pair template."""
+    score = spec.score
+    if score is not None and score.head == "yes_no":
+        return PromptTokenizer(backend_json, spec.max_input_length, instruction)
+    if score is not None and score.chat_format is not None:
+        return ChatPairTokenizer(str(spec.path), backend_json, spec.max_input_length, score.chat_format)
+    types = int(spec.config.get("type_vocab_size", 0)) > 1  # RoBERTa's table has one row
+    return PairTokenizer(backend_json, spec.max_input_length, types)
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:

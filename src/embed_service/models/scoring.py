@@ -13,6 +13,8 @@ checkpoint's, so the tensors load by name; the backbone's loader ignores them (`
 - Yes/no (Qwen3-Reranker style): the last token's hidden state times two rows of the LM head, the
   ``no`` and ``yes`` tokens' (``lm_head.weight``, or the embedding table when the two are tied). Only those
   two rows are read from the checkpoint (safetensors slices): 2 x H floats instead of V x H.
+- LogitScore (sentence-transformers 6 LLM cross-encoders): the same rows for its true and, when it names
+  one, false token; the score is the true token's logit less the false one's (or the true logit alone).
 """
 
 from __future__ import annotations
@@ -116,6 +118,19 @@ class YesNoScorer(nn.Module):
         return _lasts(hidden, cu_seqlens) @ self.rows.T
 
 
+class LogitScorer(nn.Module):
+    """sentence-transformers' LogitScore on the last token: (B, 1) logit[true] - logit[false], or logit[true]
+    when there is no false token. The two logits are taken apart and subtracted, as LogitScore does."""
+
+    def __init__(self, cfg: dict, tokens: int):
+        super().__init__()
+        self.rows = nn.Parameter(torch.empty(tokens, cfg["hidden_size"]), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        logits = _lasts(hidden, cu_seqlens) @ self.rows.T
+        return logits[:, :1] if logits.shape[1] == 1 else logits[:, :1] - logits[:, 1:2]
+
+
 SCORERS = {"bert": BertScorer, "roberta": RobertaScorer, "modernbert": ModernBertScorer}
 
 
@@ -137,8 +152,8 @@ def _read(path: Path, wanted: dict[str, list[str]]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _lm_rows(path: Path, cfg: dict, ids: tuple[int, int]) -> torch.Tensor:
-    """(2, H): rows `ids` of the LM head (the embedding table when tied), reading only those rows."""
+def _lm_rows(path: Path, cfg: dict, ids: tuple[int, ...]) -> torch.Tensor:
+    """(len(ids), H): rows `ids` of the LM head (the embedding table when tied), reading only those rows."""
     names = ["lm_head.weight"]
     if cfg.get("tie_word_embeddings", False):
         names = ["model.embed_tokens.weight", "embed_tokens.weight", *names]
@@ -157,7 +172,7 @@ def _lm_rows(path: Path, cfg: dict, ids: tuple[int, int]) -> torch.Tensor:
             for name in names:
                 if name in state:
                     return state[name][list(ids)].clone()
-    raise ValueError(f"{path}: no {' or '.join(names)} in the checkpoint, for the yes/no scores")
+    raise ValueError(f"{path}: no {' or '.join(names)} in the checkpoint, for the LLM reranker's scores")
 
 
 def load_head(spec: ModelSpec, device: torch.device) -> nn.Module:
@@ -168,6 +183,11 @@ def load_head(spec: ModelSpec, device: torch.device) -> nn.Module:
         assert score.yes_no_ids is not None
         head: nn.Module = YesNoScorer(spec.config)
         head.rows.data = _lm_rows(spec.path, spec.config, score.yes_no_ids).float()
+        return head.to(device)
+    if score.head == "logit_score":
+        assert score.logit_ids is not None
+        head = LogitScorer(spec.config, len(score.logit_ids))
+        head.rows.data = _lm_rows(spec.path, spec.config, score.logit_ids).float()
         return head.to(device)
     head = SCORERS[score.head](spec.config, len(score.labels))
     params = dict(head.state_dict())
