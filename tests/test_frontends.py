@@ -1,6 +1,7 @@
 """`--http-processes 2`: two HTTP processes in front of one engine process answer as one process does (the
 same vectors, bit for bit; errors in the same shape), count every request in /metrics, and all stop on
-SIGTERM."""
+SIGTERM. The front ends tokenize texts themselves (with the engine's code) and send token ids: prompts,
+truncation, budgets and their refusals must come out as the one-process server gives them."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ TEXTS = [
     "ünïcödé ✓",
     "x" * 300,
 ]
+# Budgets small enough to pass with small bodies (the default model: 256 tokens at most).
+LIMITS = ("--max-input-chars", "5000", "--max-request-chars", "200000")
+LONG = " ".join(f"word{i}" for i in range(400))  # ~1,200 tokens: past the max input length
 
 
 def descendants(pid: int) -> set[int]:
@@ -57,8 +61,8 @@ def alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def servers():
-    one = ServerProcess(*FLAGS)
-    two = ServerProcess(*FLAGS, "--http-processes", "2")
+    one = ServerProcess(*FLAGS, *LIMITS)
+    two = ServerProcess(*FLAGS, *LIMITS, "--http-processes", "2")
     try:
         yield one.wait_healthy(), two.wait_healthy()
     finally:
@@ -82,6 +86,59 @@ def test_vectors_equal_the_one_process_servers_bit_for_bit(servers):
         assert a.status_code == b.status_code == 200
         assert a.json()["data"] == b.json()["data"]  # the same floats (or base64 bytes): bit for bit
         assert a.json()["usage"] == b.json()["usage"]
+
+
+@pytest.mark.parametrize(
+    "texts, extra",
+    [
+        (TEXTS, {"prompt": "query: "}),
+        ([LONG, "short", LONG + " tail"], {}),  # cut to the max input length (--auto-truncate)
+        ([LONG, "short"], {"truncation_direction": "left", "prompt": "query: "}),  # the prompt is kept
+        ([LONG + " " + LONG, "é " * 3000], {"dimensions": 64}),  # past --max-input-chars: cut, tokenized
+        ([LONG] * 40, {"prompt": "passage: "}),  # on the tokenization threads, in several calls
+        ([LONG, "short"], {"chunking": {"overlap": 16}}),  # chunked: the texts go to the engine process
+    ],
+)
+def test_front_end_tokenization_equals_the_engines_bit_for_bit(servers, texts, extra):
+    one, two = servers
+    a, b = embed(one.url, texts, **extra), embed(two.url, texts, **extra)
+    assert a.status_code == b.status_code == 200, (a.text, b.text)
+    assert a.json()["data"] == b.json()["data"]
+    assert a.json()["usage"] == b.json()["usage"]  # prompt_tokens: the same ids counted
+    if not extra:  # Cohere's embed goes through the same engine.embed
+        model = httpx.get(one.url + "/info", timeout=30).json()["model"]
+        cohere = {
+            "texts": texts[:2],
+            "model": model,
+            "input_type": "search_query",
+            "embedding_types": ["float"],
+        }
+        ca = httpx.post(one.url + "/v2/embed", json=cohere, timeout=60)
+        cb = httpx.post(two.url + "/v2/embed", json=cohere, timeout=60)
+        assert ca.status_code == cb.status_code == 200, (ca.text, cb.text)
+        assert ca.json()["embeddings"] == cb.json()["embeddings"]
+        assert ca.json()["meta"]["billed_units"] == cb.json()["meta"]["billed_units"]
+
+
+@pytest.mark.parametrize(
+    "texts, extra",
+    [
+        ([LONG], {"truncate": False}),  # past the max input length: 400, no cut
+        (["ok", LONG], {"truncate": False, "prompt": "q: "}),  # the index named is the second input
+        (["ok"], {"prompt": LONG}),  # a prompt that leaves no room for the text
+        (["ok"], {"prompt": "p" * 5000}),  # a prompt past --max-input-chars: the budget check
+        (["y" * 6000], {"truncate": False}),  # past --max-input-chars, truncation off
+        (["y" * 6000], {}),  # no max-length's worth of tokens within --max-input-chars
+        (["z" * 4000] * 60, {}),  # 240,000 characters: past --max-request-chars
+        (["ok"], {"prompt": "a", "prompt_name": "query"}),
+        (["ok"], {"truncation_direction": "left", "dimensions": 0}),  # the first refusal wins
+    ],
+)
+def test_front_end_refusals_equal_the_engines(servers, texts, extra):
+    one, two = servers
+    a, b = embed(one.url, texts, **extra), embed(two.url, texts, **extra)
+    assert a.status_code == b.status_code == 400, (a.text, b.text)
+    assert a.json() == b.json()  # message, type, param and code
 
 
 def test_concurrent_clients_are_all_answered(servers):
@@ -123,6 +180,10 @@ def requests_counted(url: str) -> dict[str, float]:
                     counts[s.labels["status"]] = counts.get(s.labels["status"], 0) + s.value
         if family.name == "embed_input_tokens":  # the engine's own series are there too
             counts["tokens"] = sum(s.value for s in family.samples if s.name == "embed_input_tokens_total")
+        if family.name == "embed_tokenization_duration_seconds":  # the front ends' (texts tokenized there)
+            counts["tokenized"] = sum(
+                s.value for s in family.samples if s.name == "embed_tokenization_duration_seconds_count"
+            )
     return counts
 
 
@@ -141,6 +202,7 @@ def test_metrics_count_every_request_and_the_engines_series(servers):
         )
     assert deltas[0] == deltas[1]
     assert deltas[1]["200"] >= 20 and deltas[1]["400"] == 1
+    assert deltas[1]["tokenized"] == 20  # one tokenization per text request, as in one process
 
 
 def metric(url: str, name: str) -> float:

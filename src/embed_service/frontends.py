@@ -40,7 +40,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 
 from embed_service import metrics, observability
-from embed_service.config import ServerSettings
+from embed_service.config import ServerSettings, Settings
+from embed_service.engine.engine import EmbedOptions, EmbedResult, TextSide
 from embed_service.engine.tokenizer import Tokenizer
 from embed_service.models.spec import ModelSpec
 from embed_service.plan import ModelPlan, Plan
@@ -49,8 +50,10 @@ log = logging.getLogger("embed_service")
 
 STATE_POLL_S = 0.1  # how often the engine process looks for a changed model state to send
 REPORT_WAIT_S = 1.0  # how long a scrape waits for the front ends' HTTP series (one that is stuck: its last)
-HTTP_FAMILIES = ("embed_requests", "embed_request_duration_seconds")  # recorded by the front ends
-CALLS = ("embed", "tokenize", "rerank", "classify", "wait_idle")  # the engine methods a front end may call
+# recorded by the front ends (tokenization: of the texts they tokenize; the engine process records the rest)
+HTTP_FAMILIES = ("embed_requests", "embed_request_duration_seconds", "embed_tokenization_duration_seconds")
+# the engine methods a front end may call
+CALLS = ("embed", "embed_tokenized", "tokenize", "rerank", "classify", "wait_idle")
 _LENGTH = struct.Struct("!I")
 
 
@@ -94,7 +97,7 @@ def http_samples() -> list[tuple[str, tuple, float]]:
     """This process's HTTP series as (sample name, labels, value): cumulative, so the latest report is all."""
     return [
         (s.name, tuple(sorted(s.labels.items())), s.value)
-        for family in (metrics.REQUESTS, metrics.REQUEST_DURATION)
+        for family in (metrics.REQUESTS, metrics.REQUEST_DURATION, metrics.TOKENIZATION_DURATION)
         for m in family.collect()
         for s in m.samples
     ]
@@ -136,6 +139,7 @@ class ModelInfo:
 
     name: str
     served_names: list[str]
+    settings: Settings
     spec: ModelSpec
     device: str
     plan: ModelPlan
@@ -265,7 +269,10 @@ class EngineHost:
         for e in self.engines.values():
             e.on_fatal.append(self._fail)
         ctx = mp.get_context("spawn")
-        infos = [ModelInfo(e.name, e.served_names, e.spec, e.device, e.plan) for e in self.engines.values()]
+        infos = [
+            ModelInfo(e.name, e.served_names, e.settings, e.spec, e.device, e.plan)
+            for e in self.engines.values()
+        ]
         serving = []
         for i in range(self.settings.http_processes):
             ours, theirs = socket.socketpair()
@@ -372,16 +379,22 @@ class Channel:
         self.on_state(None, "the engine process is gone")
 
 
-class RemoteEngine:
-    """An `Engine` as the routes use it, in a front-end process: its calls run in the engine process."""
+class RemoteEngine(TextSide):
+    """An `Engine` as the routes use it, in a front-end process: its calls run in the engine process, but
+    for embed() of texts without chunking, which it checks and tokenizes here (with the engine's own code,
+    `TextSide`, on threads of its own) and sends as token ids: tokenization, most of the work of long
+    inputs, is then spread over the front ends. Chunked requests go as texts (the engine plans windows on
+    the texts)."""
 
     def __init__(self, info: ModelInfo, channel: Channel):
         self.name = info.name
         self.served_names = info.served_names
+        self.settings = info.settings
         self.spec = info.spec
         self.device = info.device
         self.plan = info.plan
-        self.tokenizer = Tokenizer(info.spec)  # the sparse output's token strings
+        self.tokenizer = Tokenizer(info.spec)
+        self._start_text_side()
         self.channel = channel
         self.state = "loading"
         self.failure: str | None = None
@@ -410,10 +423,19 @@ class RemoteEngine:
             self.state = "draining"
 
     async def close(self) -> None:
-        pass  # the engine process closes the engine
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)  # the engine process closes the engine
 
-    async def embed(self, inputs: Any, opts: Any = None) -> Any:
-        return await self.channel.call(self.name, "embed", inputs, opts)
+    async def embed(self, inputs: Any, opts: EmbedOptions | None = None) -> EmbedResult:
+        opts = opts or EmbedOptions()
+        if not inputs or not isinstance(inputs[0], str):  # token ids: the engine checks them
+            return await self.channel.call(self.name, "embed", inputs, opts)
+        # The engine's refusals in its order: its checks, then the budgets, then tokenization; its 429
+        # comes after (the tokenizing here is bounded by the budgets, as the engine's is).
+        _output, rule, prompt, chunk_rule = self._embed_checks(inputs, opts)
+        if chunk_rule is not None:
+            return await self.channel.call(self.name, "embed", inputs, opts)
+        ids = await self.tokenize_texts(inputs, rule, prompt)
+        return await self.channel.call(self.name, "embed_tokenized", ids, opts)
 
     async def tokenize(self, inputs: Any, opts: Any = None) -> Any:
         return await self.channel.call(self.name, "tokenize", inputs, opts)

@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -158,6 +158,202 @@ def _chunk(inputs: Inputs, start: int, most: int, prompt: str | None, limit: int
     return k
 
 
+class TextSide:
+    """What a request asks of a model before it is admitted: its checks, prompt, truncation rule and token
+    ids. The `Engine` and a front-end process's `RemoteEngine` (frontends.py) share it, so that a front end
+    tokenizes as the engine would: the same budgets, prompt, truncation, refusals and ids."""
+
+    settings: Settings
+    spec: ModelSpec
+    name: str
+    state: str
+    failure: str | None
+    tokenizer: Tokenizer
+    limits: Limits
+    _tokenize_pool: ThreadPoolExecutor
+
+    def _start_text_side(self) -> None:
+        """The request budgets and the tokenization threads (`settings` and `name` set)."""
+        s = self.settings
+        self.limits = Limits(s.max_client_batch_size, s.max_input_chars, s.max_request_chars)
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"tokenize-{self.name}")
+
+    def _output_checks(self, opts: EmbedOptions) -> OutputRequest:
+        """embed()'s first refusals: the model not ready, `dimensions`, the outputs and their options."""
+        self._check_ready()
+        if opts.dimensions is not None and not 1 <= opts.dimensions <= self.spec.dimension:
+            raise InvalidInputError(
+                f"dimensions must be in 1..{self.spec.dimension}, got {opts.dimensions}", param="dimensions"
+            )
+        output = self.output_request(opts.outputs)
+        self._check_sparse_options(opts, output)
+        return output
+
+    def _embed_checks(
+        self, inputs: Inputs, opts: EmbedOptions
+    ) -> tuple[OutputRequest, Truncation, str | None, chunking.ChunkRule | None]:
+        """Everything embed() refuses before its budgets, and what it needs after: the output request, the
+        truncation rule, the prompt and the chunking rule (None: no chunking)."""
+        output = self._output_checks(opts)
+        rule = self.truncation(opts)
+        prompt = self._prompt(inputs, opts)
+        chunk_rule = self._chunk_rule(inputs, opts)
+        if chunk_rule is not None and output.kinds != {"dense"}:
+            raise InvalidInputError(
+                "chunking averages dense vectors; ask for the sparse and colbert outputs without it",
+                param="chunking",
+            )
+        return output, rule, prompt, chunk_rule
+
+    async def tokenize_texts(
+        self, inputs: list[str], rule: Truncation, prompt: str | None
+    ) -> list[list[int]]:
+        """A whole request's token ids after its budget check (`check_request`, which bounds this work):
+        what embed() would submit, tokenized piece by piece on the tokenization threads as it does."""
+        check_request(inputs, prompt, self.limits)
+        return await self._tokenize_piece(inputs, 0, len(inputs), rule, prompt)
+
+    def _check_ready(self) -> None:
+        if self.state != "ready":
+            what = {
+                "loading": "is still loading",
+                "restarting": f"is restarting: {self.failure}",
+                "draining": "is shutting down",
+                "failed": f"is unavailable: {self.failure}",
+            }[self.state]
+            raise NotReadyError(f"model {self.name} {what}")
+
+    def output_request(self, kinds: frozenset[str] | None) -> OutputRequest:
+        """What each input of a request asks the workers for; a kind this model cannot give is a 400."""
+        if SCORE in self.spec.outputs and SCORE not in (kinds or ()):
+            raise InvalidInputError(
+                f"model {self.name} is a cross-encoder or classifier: it scores (/rerank, /classify) and does "
+                "not embed; see docs/models.md",
+                param="model",
+            )
+        if kinds is None and DENSE in self.spec.outputs:
+            return DENSE_ONLY
+        kinds = self.spec.default_outputs if kinds is None else kinds  # sparse for a SPLADE model
+        if not kinds:
+            raise InvalidInputError("outputs must name at least one output kind", param="outputs")
+        missing = sorted(kinds - self.spec.outputs)
+        if missing:
+            raise InvalidInputError(
+                f"model {self.name} does not give {', '.join(missing)} outputs (it gives "
+                f"{', '.join(k for k in KINDS if k in self.spec.outputs)}); see docs/models.md",
+                param="outputs",
+            )
+        return OutputRequest(frozenset(kinds))
+
+    def _check_sparse_options(self, opts: EmbedOptions, output: OutputRequest) -> None:
+        """max_active_dims >= 1 and a finite sparse_threshold >= 0, with a sparse output only."""
+        for name in ("max_active_dims", "sparse_threshold"):
+            if getattr(opts, name) is not None and SPARSE not in output.kinds:
+                raise InvalidInputError(f"{name} applies to the sparse output, which was not asked for", name)
+        if opts.max_active_dims is not None and opts.max_active_dims < 1:
+            raise InvalidInputError(
+                f"max_active_dims must be at least 1, got {opts.max_active_dims}", "max_active_dims"
+            )
+        t = opts.sparse_threshold
+        if t is not None and not (np.isfinite(t) and t >= 0):
+            raise InvalidInputError(
+                f"sparse_threshold must be a finite number >= 0, got {t}", "sparse_threshold"
+            )
+
+    def truncation(self, opts: EmbedOptions) -> Truncation:
+        enabled = self.settings.auto_truncate if opts.truncate is None else opts.truncate
+        return Truncation(enabled, self.spec.max_input_length, opts.truncation_direction)
+
+    def _prompt(self, inputs: Inputs, opts: EmbedOptions) -> str | None:
+        try:
+            return self.tokenizer.prompt_for(inputs, opts.prompt_name, opts.prompt)
+        except PromptError as exc:
+            raise InvalidInputError(str(exc), param=exc.param) from None
+
+    def _token_ids(
+        self, inputs: Inputs, rule: Truncation, prompt: str | None, first: int = 0
+    ) -> list[list[int]]:
+        """Runs on a tokenization thread (or inline for a few short texts). `first`: the index of inputs[0]
+        in its request, for messages."""
+        if inputs and isinstance(inputs[0], str):
+            self.tokenizer.check_prompt(prompt, rule.max_length)
+            seqs = self.tokenizer.encode(inputs, prompt, rule, self.settings.max_input_chars, first)
+        else:
+            seqs = inputs  # type: ignore[assignment]
+            self.tokenizer.check_ids(seqs, first)
+        try:
+            return self.tokenizer.truncate(seqs, rule, prompt)
+        except InputTooLongError as exc:
+            raise InputTooLongError(exc.index + first, exc.length, exc.limit) from None
+
+    @contextlib.contextmanager
+    def _tokenizing(self) -> Iterator[Any]:
+        """Around one piece's tokenization: its trace span (yielded; None when not tracing), its duration
+        metric, and the tokenizer's refusals as InvalidInputError."""
+        t0 = time.perf_counter()
+        with observability.span("tokenize") as span:
+            try:
+                yield span
+            except (InputTooLongError, InvalidTokenError, InputCharsError) as exc:
+                raise InvalidInputError(str(exc)) from None
+            except PromptError as exc:
+                raise InvalidInputError(str(exc), param=exc.param) from None
+        metrics.TOKENIZATION_DURATION.labels(self.name).observe(time.perf_counter() - t0)
+
+    async def _on_tokenizer(
+        self, texts: Inputs, first: int, k: int, extra: str | None, fn: Callable[[Any, int], list[T]]
+    ) -> list[T]:
+        """`fn(texts[at : at + step], at)` over texts[first : first + k] on a tokenization thread, a call per
+        TOKENIZE_CHUNK_CHARS (`extra`: what each text carries besides itself, a prompt or a query): cancelling
+        the caller stops the work at the next call. `fn` gives one result per text."""
+        loop = asyncio.get_running_loop()
+        done: list[T] = []
+        while len(done) < k:
+            at = first + len(done)
+            step = _chunk(texts, at, k - len(done), extra, self.settings.max_input_chars)
+            done += await loop.run_in_executor(self._tokenize_pool, fn, texts[at : at + step], at)
+        return done
+
+    async def _tokenize_piece(
+        self, inputs: Inputs, start: int, k: int, rule: Truncation, prompt: str | None
+    ) -> list[list[int]]:
+        """Token ids of inputs[start:start+k]; see _on_tokenizer."""
+        piece = inputs[start : start + k]
+        with self._tokenizing() as span:
+            if _small(piece, prompt):
+                # A few short texts tokenize in tens of microseconds: less than the hop to a thread and
+                # back, which online traffic (one query per request) would pay on every request.
+                ids = self._token_ids(piece, rule, prompt, start)
+            else:
+                ids = await self._on_tokenizer(
+                    inputs, start, k, prompt, lambda texts, at: self._token_ids(texts, rule, prompt, at)
+                )
+            if span is not None:
+                span.set_attributes({"embed.inputs": len(ids), "embed.tokens": sum(map(len, ids))})
+        return ids
+
+    def _chunk_rule(self, inputs: Inputs, opts: EmbedOptions) -> chunking.ChunkRule | None:
+        """How this request chunks its inputs, or None when it does not (token ids never do)."""
+        asked = opts.chunking or chunking.ChunkOptions()
+        enabled = self.settings.chunk_long_inputs if asked.enabled is None else asked.enabled
+        if not enabled:
+            return None
+        if not isinstance(inputs[0], str):
+            if asked.enabled:
+                raise InvalidInputError(
+                    "chunking applies to text inputs; token ids are used verbatim", "chunking"
+                )
+            return None
+        overlap = self.settings.chunk_overlap if asked.overlap is None else asked.overlap
+        return chunking.ChunkRule(
+            overlap,
+            self.settings.max_chunks_per_input,
+            self.spec.max_input_length,
+            self.settings.max_input_chars,
+            asked.return_chunks,
+        )
+
+
 class _Run:
     """One request's sequences on the batcher, from its permit to its answer: what embed, chunked embed and
     scoring share. A `with` block: leaving it on an error or a cancel drops what is still queued of the
@@ -204,7 +400,7 @@ class _Run:
         metrics.INPUT_TOKENS.labels(self.engine.name).inc(self.tokens)
 
 
-class Engine:
+class Engine(TextSide):
     """One served model. `plan`: its share of the machine (plan.py) when the server serves several; by default
     the model has the machine to itself."""
 
@@ -260,9 +456,7 @@ class Engine:
         self.failure: str | None = None
         self.in_flight = 0
         self._in_flight_gauge = metrics.INPUTS_IN_FLIGHT.labels(self.name)
-        self.limits = Limits(
-            settings.max_client_batch_size, settings.max_input_chars, settings.max_request_chars
-        )
+        self._start_text_side()
         self.admission = Admission(
             settings.max_concurrent_requests,
             settings.interactive_reserved_inputs,
@@ -282,7 +476,6 @@ class Engine:
             devices=self.plan.devices,
         )
         self.batcher: Batcher | None = None
-        self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"tokenize-{self.name}")
         self._idle = asyncio.Event()
         self._idle.set()
         self.on_fatal: list[Any] = []  # callbacks (reason) run on the event loop when the model fails
@@ -367,42 +560,10 @@ class Engine:
 
     # --- serving ----------------------------------------------------------------------------------
 
-    def _check_ready(self) -> None:
-        if self.state != "ready":
-            what = {
-                "loading": "is still loading",
-                "restarting": f"is restarting: {self.failure}",
-                "draining": "is shutting down",
-                "failed": f"is unavailable: {self.failure}",
-            }[self.state]
-            raise NotReadyError(f"model {self.name} {what}")
-
     def _compute(
         self, ids: np.ndarray, lengths: np.ndarray, requests: list[OutputRequest], replica: int = 0
     ) -> list[SequenceOutput]:
         return self.replica_set.compute(replica, ids, lengths, requests)
-
-    def output_request(self, kinds: frozenset[str] | None) -> OutputRequest:
-        """What each input of a request asks the workers for; a kind this model cannot give is a 400."""
-        if SCORE in self.spec.outputs and SCORE not in (kinds or ()):
-            raise InvalidInputError(
-                f"model {self.name} is a cross-encoder or classifier: it scores (/rerank, /classify) and does "
-                "not embed; see docs/models.md",
-                param="model",
-            )
-        if kinds is None and DENSE in self.spec.outputs:
-            return DENSE_ONLY
-        kinds = self.spec.default_outputs if kinds is None else kinds  # sparse for a SPLADE model
-        if not kinds:
-            raise InvalidInputError("outputs must name at least one output kind", param="outputs")
-        missing = sorted(kinds - self.spec.outputs)
-        if missing:
-            raise InvalidInputError(
-                f"model {self.name} does not give {', '.join(missing)} outputs (it gives "
-                f"{', '.join(k for k in KINDS if k in self.spec.outputs)}); see docs/models.md",
-                param="outputs",
-            )
-        return OutputRequest(frozenset(kinds))
 
     def _sparse(self, s: Sparse, opts: EmbedOptions) -> Sparse:
         """bge-m3's lexical weights without the special tokens (a SPLADE vector keeps every vocabulary
@@ -418,25 +579,6 @@ class Engine:
             s = Sparse(s.indices[top], s.values[top])  # ascending ids still
         return s
 
-    def _check_sparse_options(self, opts: EmbedOptions, output: OutputRequest) -> None:
-        """max_active_dims >= 1 and a finite sparse_threshold >= 0, with a sparse output only."""
-        for name in ("max_active_dims", "sparse_threshold"):
-            if getattr(opts, name) is not None and SPARSE not in output.kinds:
-                raise InvalidInputError(f"{name} applies to the sparse output, which was not asked for", name)
-        if opts.max_active_dims is not None and opts.max_active_dims < 1:
-            raise InvalidInputError(
-                f"max_active_dims must be at least 1, got {opts.max_active_dims}", "max_active_dims"
-            )
-        t = opts.sparse_threshold
-        if t is not None and not (np.isfinite(t) and t >= 0):
-            raise InvalidInputError(
-                f"sparse_threshold must be a finite number >= 0, got {t}", "sparse_threshold"
-            )
-
-    def truncation(self, opts: EmbedOptions) -> Truncation:
-        enabled = self.settings.auto_truncate if opts.truncate is None else opts.truncate
-        return Truncation(enabled, self.spec.max_input_length, opts.truncation_direction)
-
     def _count_in_flight(self, n: int) -> None:
         """The admission's count, as the drain and the metrics read it."""
         self.in_flight = n
@@ -446,78 +588,10 @@ class Engine:
         else:
             self._idle.set()
 
-    def _prompt(self, inputs: Inputs, opts: EmbedOptions) -> str | None:
-        try:
-            return self.tokenizer.prompt_for(inputs, opts.prompt_name, opts.prompt)
-        except PromptError as exc:
-            raise InvalidInputError(str(exc), param=exc.param) from None
-
     def _admit(self, inputs: Inputs, prompt: str | None) -> Permit:
         """The one admission of every route: budgets (400), then capacity (429), before any tokenization."""
         check_request(inputs, prompt, self.limits)
         return self.admission.admit(len(inputs))
-
-    def _token_ids(
-        self, inputs: Inputs, rule: Truncation, prompt: str | None, first: int = 0
-    ) -> list[list[int]]:
-        """Runs on a tokenization thread (or inline for a few short texts). `first`: the index of inputs[0]
-        in its request, for messages."""
-        if inputs and isinstance(inputs[0], str):
-            self.tokenizer.check_prompt(prompt, rule.max_length)
-            seqs = self.tokenizer.encode(inputs, prompt, rule, self.settings.max_input_chars, first)
-        else:
-            seqs = inputs  # type: ignore[assignment]
-            self.tokenizer.check_ids(seqs, first)
-        try:
-            return self.tokenizer.truncate(seqs, rule, prompt)
-        except InputTooLongError as exc:
-            raise InputTooLongError(exc.index + first, exc.length, exc.limit) from None
-
-    @contextlib.contextmanager
-    def _tokenizing(self) -> Iterator[Any]:
-        """Around one piece's tokenization: its trace span (yielded; None when not tracing), its duration
-        metric, and the tokenizer's refusals as InvalidInputError."""
-        t0 = time.perf_counter()
-        with observability.span("tokenize") as span:
-            try:
-                yield span
-            except (InputTooLongError, InvalidTokenError, InputCharsError) as exc:
-                raise InvalidInputError(str(exc)) from None
-            except PromptError as exc:
-                raise InvalidInputError(str(exc), param=exc.param) from None
-        metrics.TOKENIZATION_DURATION.labels(self.name).observe(time.perf_counter() - t0)
-
-    async def _on_tokenizer(
-        self, texts: Inputs, first: int, k: int, extra: str | None, fn: Callable[[Any, int], list[T]]
-    ) -> list[T]:
-        """`fn(texts[at : at + step], at)` over texts[first : first + k] on a tokenization thread, a call per
-        TOKENIZE_CHUNK_CHARS (`extra`: what each text carries besides itself, a prompt or a query): cancelling
-        the caller stops the work at the next call. `fn` gives one result per text."""
-        loop = asyncio.get_running_loop()
-        done: list[T] = []
-        while len(done) < k:
-            at = first + len(done)
-            step = _chunk(texts, at, k - len(done), extra, self.settings.max_input_chars)
-            done += await loop.run_in_executor(self._tokenize_pool, fn, texts[at : at + step], at)
-        return done
-
-    async def _tokenize_piece(
-        self, inputs: Inputs, start: int, k: int, rule: Truncation, prompt: str | None
-    ) -> list[list[int]]:
-        """Token ids of inputs[start:start+k]; see _on_tokenizer."""
-        piece = inputs[start : start + k]
-        with self._tokenizing() as span:
-            if _small(piece, prompt):
-                # A few short texts tokenize in tens of microseconds: less than the hop to a thread and
-                # back, which online traffic (one query per request) would pay on every request.
-                ids = self._token_ids(piece, rule, prompt, start)
-            else:
-                ids = await self._on_tokenizer(
-                    inputs, start, k, prompt, lambda texts, at: self._token_ids(texts, rule, prompt, at)
-                )
-            if span is not None:
-                span.set_attributes({"embed.inputs": len(ids), "embed.tokens": sum(map(len, ids))})
-        return ids
 
     async def tokenize(self, inputs: Inputs, opts: EmbedOptions | None = None) -> list[list[int]]:
         """The token ids embed() would run, after prompting and truncation; admitted like embed()."""
@@ -538,29 +612,43 @@ class Engine:
 
     async def embed(self, inputs: Inputs, opts: EmbedOptions | None = None) -> EmbedResult:
         opts = opts or EmbedOptions()
-        self._check_ready()
-        if opts.dimensions is not None and not 1 <= opts.dimensions <= self.spec.dimension:
-            raise InvalidInputError(
-                f"dimensions must be in 1..{self.spec.dimension}, got {opts.dimensions}", param="dimensions"
-            )
-        output = self.output_request(opts.outputs)
-        self._check_sparse_options(opts, output)
-        rule = self.truncation(opts)
-        prompt = self._prompt(inputs, opts)
-        chunk_rule = self._chunk_rule(inputs, opts)
+        output, rule, prompt, chunk_rule = self._embed_checks(inputs, opts)
         if chunk_rule is not None:  # long inputs as windows: engine/chunking.py
-            if output.kinds != {"dense"}:
-                raise InvalidInputError(
-                    "chunking averages dense vectors; ask for the sparse and colbert outputs without it",
-                    param="chunking",
-                )
             return await self._embed_windowed(inputs, opts, chunk_rule, prompt)  # type: ignore[arg-type]
-        with _Run(self, self._admit(inputs, prompt)) as run:
+
+        async def piece(first: int, k: int) -> list[list[int]]:
+            return await self._tokenize_piece(inputs, first, k, rule, prompt)
+
+        return await self._embed_run(self._admit(inputs, prompt), len(inputs), piece, opts, output)
+
+    async def embed_tokenized(self, ids: list[list[int]], opts: EmbedOptions | None = None) -> EmbedResult:
+        """embed() of texts that a front-end process has checked and tokenized (frontends.py, with
+        `TextSide.tokenize_texts`): their budgets, prompt and truncation are done, so `ids` are admitted and
+        batched as they are, as embed() would batch the same texts' ids."""
+        opts = opts or EmbedOptions()
+        output = self._output_checks(opts)
+
+        async def piece(first: int, k: int) -> list[list[int]]:
+            return ids[first : first + k]
+
+        return await self._embed_run(self.admission.admit(len(ids)), len(ids), piece, opts, output)
+
+    async def _embed_run(
+        self,
+        permit: Permit,
+        n: int,
+        piece: Callable[[int, int], Awaitable[list[list[int]]]],
+        opts: EmbedOptions,
+        output: OutputRequest,
+    ) -> EmbedResult:
+        """An admitted request's `n` sequences (`piece(first, k)`: the ids of k of them) batched, run and
+        finished."""
+        with _Run(self, permit) as run:
 
             async def start(first: int, k: int) -> list[asyncio.Future]:
-                return run.submit(await self._tokenize_piece(inputs, first, k, rule, prompt), output)
+                return run.submit(await piece(first, k), output)
 
-            results = await run_piecewise(run.permit, len(inputs), start)
+            results = await run_piecewise(run.permit, n, start)
             run.answered()
         normalize = self.spec.normalize if opts.normalize is None else opts.normalize
         kinds = output.kinds
@@ -577,27 +665,6 @@ class Engine:
         )
 
     # --- long inputs as windows (engine/chunking.py) -------------------------------------------------
-
-    def _chunk_rule(self, inputs: Inputs, opts: EmbedOptions) -> chunking.ChunkRule | None:
-        """How this request chunks its inputs, or None when it does not (token ids never do)."""
-        asked = opts.chunking or chunking.ChunkOptions()
-        enabled = self.settings.chunk_long_inputs if asked.enabled is None else asked.enabled
-        if not enabled:
-            return None
-        if not isinstance(inputs[0], str):
-            if asked.enabled:
-                raise InvalidInputError(
-                    "chunking applies to text inputs; token ids are used verbatim", "chunking"
-                )
-            return None
-        overlap = self.settings.chunk_overlap if asked.overlap is None else asked.overlap
-        return chunking.ChunkRule(
-            overlap,
-            self.settings.max_chunks_per_input,
-            self.spec.max_input_length,
-            self.settings.max_input_chars,
-            asked.return_chunks,
-        )
 
     def _plan(
         self, texts: list[str], prompt: str | None, rule: chunking.ChunkRule, first: int
