@@ -14,6 +14,11 @@ the cores the server's HTTP process(es) kept busy, and inputs/s per busy core; t
 interleaves their rounds, so that both see the same machine; "cores" is then the CPU of every process that
 listens on the port (the engine process and its front ends; the workers are not counted).
 
+`--baseline-src DIR` serves every count from a second source tree as well (another checkout), its rounds
+interleaved with the rest, rows marked "before": a change's effect measured on the same machine at once.
+With N > 1 it also prints where the CPU went: each listening process's CPU seconds per second of load,
+the engine process first, then the front ends.
+
 Read the per-core figures: on a machine shared with other work, the cores the load gets vary, and the
 load client (wrk) takes a share of them too.
 """
@@ -73,6 +78,11 @@ def listening(target: Served, port: int) -> list[psutil.Process]:
     return out or [root]
 
 
+def cpu_seconds(p: psutil.Process) -> float:
+    t = p.cpu_times()
+    return t.user + t.system
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -89,6 +99,7 @@ def main() -> None:
     parser.add_argument(
         "--http-processes", default="1", help="`serve --http-processes` counts to compare, e.g. 1,2"
     )
+    parser.add_argument("--baseline-src", help="a second source tree, served the same way (rows: before)")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(args.src).resolve()))
     from embed_service.server import default_model_path
@@ -101,7 +112,12 @@ def main() -> None:
     # The default model stops at 256 tokens; its position table holds 512.
     extra = ["--max-input-length", "512", *args.server_flags.split()]
     counts = [int(n) for n in args.http_processes.split(",")]
-    runs: dict[tuple[str, int], list[Load]] = {(name, n): [] for name, *_ in shapes for n in counts}
+    trees = {"": args.src, **({"before": args.baseline_src} if args.baseline_src else {})}
+    servers = [(tree, n) for tree in trees for n in counts]
+    runs: dict[tuple[str, str, int], list[Load]] = {
+        (name, *key): [] for name, *_ in shapes for key in servers
+    }
+    split: dict[tuple[str, str, int], list[list[float]]] = {key: [] for key in runs}
     with tempfile.TemporaryDirectory() as tmp:
         files = {}
         for _name, tokens, _, _ in shapes:
@@ -112,25 +128,33 @@ def main() -> None:
                 files[tokens] = str(path)
         with contextlib.ExitStack() as stack:
             targets = {}
-            for i, n in enumerate(counts):
+            for i, (tree, n) in enumerate(servers):
                 port = args.port + i
                 flags = [*extra, "--http-processes", str(n)]
-                targets[n] = stack.enter_context(served(args.src, port, flags, null_model=True))
-                targets[n].processes = listening(targets[n], port)
+                targets[tree, n] = stack.enter_context(served(trees[tree], port, flags, null_model=True))
+                targets[tree, n].processes = listening(targets[tree, n], port)
             for _ in range(args.rounds):
                 for name, tokens, per_request, concurrency in shapes:
-                    for n in counts:
-                        run = load(targets[n], files[tokens], per_request, concurrency, args.duration)
-                        runs[name, n].append(run)
+                    for key in servers:
+                        procs = targets[key].processes
+                        before = [cpu_seconds(p) for p in procs]
+                        run = load(targets[key], files[tokens], per_request, concurrency, args.duration)
+                        runs[(name, *key)].append(run)
+                        split[(name, *key)].append(
+                            [(cpu_seconds(p) - b) / args.duration for p, b in zip(procs, before)]
+                        )
     rows = []
     print(
-        f"{'shape':24s} {'http':>4s} {'requests/s':>10s} {'inputs/s':>9s} {'tokens/s':>10s} {'cores':>6s} "
-        f"{'inputs/s/core':>13s}"
+        f"{'shape':24s} {'tree':>6s} {'http':>4s} {'requests/s':>10s} {'inputs/s':>9s} {'tokens/s':>10s} "
+        f"{'cores':>6s} {'inputs/s/core':>13s}  cores per process (engine process first)"
     )
-    for (name, n), values in runs.items():
+    for (name, tree, n), values in runs.items():
+        per_process = [statistics.median(col) for col in zip(*split[name, tree, n])]
         row = {
             "shape": name,
+            "tree": tree or "after",
             "http_processes": n,
+            "cores_per_process": per_process,
             "requests_per_s": statistics.median(v.requests_per_s for v in values),
             "inputs_per_s": statistics.median(v.texts_per_s for v in values),
             "tokens_per_s": statistics.median(v.tokens_per_s for v in values),
@@ -140,8 +164,9 @@ def main() -> None:
         }
         rows.append(row)
         print(
-            f"{name:24s} {n:4d} {row['requests_per_s']:10,.0f} {row['inputs_per_s']:9,.0f} {row['tokens_per_s']:10,.0f} "
-            f"{row['cores']:6.2f} {row['inputs_per_s_per_core']:13,.0f}"
+            f"{name:24s} {tree or 'after':>6s} {n:4d} {row['requests_per_s']:10,.0f} {row['inputs_per_s']:9,.0f} "
+            f"{row['tokens_per_s']:10,.0f} {row['cores']:6.2f} {row['inputs_per_s_per_core']:13,.0f}  "
+            + " ".join(f"{c:.2f}" for c in per_process)
         )
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(rows, indent=1) + "\n")

@@ -98,9 +98,10 @@ class ServerSettings(BaseSettings):
 
     http_processes: int = 1
     """HTTP front-end processes. 1: one process does HTTP and runs the engines. N > 1: N processes share the
-    port and do HTTP, auth, validation and response encoding; they pass each request's inputs to the one
-    process that runs the engines (tokenization, admission, batching, workers, metrics) over a local
-    socket. For a fast accelerator that one HTTP process cannot keep busy (docs/performance.md)."""
+    port and do HTTP, auth, validation, the budget checks, the tokenization of texts and response encoding;
+    they pass each request's token ids (texts, where it chunks them) to the one process that runs the
+    engines (admission, batching, workers, metrics) over a local socket. For a fast accelerator that one
+    HTTP process cannot keep busy (docs/performance.md)."""
 
     @field_validator("otlp_endpoint")
     @classmethod

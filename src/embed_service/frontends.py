@@ -5,7 +5,10 @@ end's ceiling"): less than a fast GPU serves. Here the server's first process ke
 tokenizers, admission, batchers, replicas, workers and the engine's metrics) and starts N front-end
 processes that share the listening socket it bound first; each runs the same app (HTTP, auth, validation,
 response encoding) over `RemoteEngine`s, which pass each call's arguments (the inputs and their
-`EmbedOptions`) to the engine process and get its result back (an `EmbedResult`, token ids, scores).
+`EmbedOptions`) to the engine process and get its result back (an `EmbedResult`, token ids, scores). An
+embedding request of texts that does not chunk is checked and tokenized in the front end, with the
+engine's own code (engine.py's `TextSide`), and goes as token ids (`Engine.embed_tokenized`): long inputs'
+tokenization, most of their cost, is spread over the front ends; the engine process admits and batches.
 
 The channel is one Unix socket pair per front end, length-prefixed pickles both ways over asyncio streams
 (never a blocking send, so two large messages crossing cannot deadlock). Messages, front end -> engines:
