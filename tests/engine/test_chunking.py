@@ -193,6 +193,14 @@ def test_refusals(server, long_text):
     assert r.status_code == 400 and r.json()["error"]["param"] == "chunking", r.text
     r = post(server, "x", chunking={"overlapp": 3})
     assert r.status_code == 400, r.text
+    # A prompt that leaves a window no room for text: the same refusal as without chunking (was: an
+    # overlap error with a negative range once the prompt outgrew the window).
+    for words in (254, 300):
+        prompt = "a " * words
+        plain = post(server, long_text, prompt=prompt, chunking={"enabled": False})
+        r = post(server, long_text, prompt=prompt, chunking={"enabled": True})
+        assert plain.status_code == r.status_code == 400, r.text
+        assert r.json()["error"] == plain.json()["error"] and r.json()["error"]["param"] == "prompt"
     # Token ids follow truncation even with the server default on.
     assert post(server, [[101] + [7592] * 400 + [102]]).status_code == 200
     assert post(server, "still serving").status_code == 200

@@ -669,13 +669,10 @@ class Engine(TextSide):
     def _plan(
         self, texts: list[str], prompt: str | None, rule: chunking.ChunkRule, first: int
     ) -> list[list[chunking.Window]]:
-        """Runs on a tokenization thread."""
+        """Runs on a tokenization thread (the prompt was checked before admission)."""
         try:
-            self.tokenizer.check_prompt(prompt, rule.max_length)
             return chunking.plan(self.tokenizer, texts, prompt, rule, first)
         except chunking.ChunkError as exc:
-            raise InvalidInputError(str(exc), param=exc.param) from None
-        except PromptError as exc:
             raise InvalidInputError(str(exc), param=exc.param) from None
 
     async def _embed_windowed(
@@ -684,9 +681,10 @@ class Engine(TextSide):
         """embed() for a request that chunks its long texts: each window a sequence, admitted as one."""
         check_request(inputs, prompt, self.limits)
         try:  # before admission: refusals that need no tokenizing of the texts
+            self.tokenizer.check_prompt(prompt, rule.max_length)  # a prompt that fills the window first
             chunking.check_overlap(self.tokenizer, rule, prompt)
             chunking.check_chars(inputs, prompt, rule)
-        except chunking.ChunkError as exc:
+        except (chunking.ChunkError, PromptError) as exc:
             raise InvalidInputError(str(exc), param=exc.param) from None
         planned: list[list[chunking.Window]] = []
         with _Run(self, self.admission.admit(len(inputs))) as run:
