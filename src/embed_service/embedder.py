@@ -37,7 +37,7 @@ from embed_service.api.routes import embed_options
 from embed_service.api.schemas import EmbeddingRequest, TokenizeRequest
 from embed_service.config import Settings
 from embed_service.engine.admission import input_chars
-from embed_service.engine.engine import EmbedOptions, Engine
+from embed_service.engine.engine import EmbedOptions, Engine, output_dimension
 from embed_service.engine.errors import EngineError, InvalidInputError, OverloadedError
 from embed_service.outputs import COLBERT, DENSE, SPARSE, Sparse
 
@@ -322,9 +322,8 @@ class Embedder:
         body = _validate(EmbeddingRequest, {"input": _plain(inputs), **options})
         opts = embed_options(body)
         engine.output_request(opts.outputs)  # a kind the model lacks: refused before any work
-        ranges = encodings.check_ranges(
-            body.embed_dtype, body.embed_ranges, body.dimensions or engine.spec.dimension
-        )
+        dimension = output_dimension(body.dimensions, engine.spec.dimension)  # before ranges are sized
+        ranges = encodings.check_ranges(body.embed_dtype, body.embed_ranges, dimension)
         return _Request(body, opts, ranges)
 
     async def _embed(self, request: _Request, progress: bool) -> Encoded:

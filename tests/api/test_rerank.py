@@ -158,7 +158,6 @@ def test_thousands_of_documents_are_admitted_and_batched(server):
     [
         ({"query": QUERY, "documents": []}, "documents"),
         ({"query": QUERY, "documents": ["a", "b"], "top_n": 0}, "top_n"),
-        ({"query": QUERY, "documents": ["a", "b"], "top_n": 3}, "top_n"),
         ({"documents": ["a", "b"]}, "query"),
         ({"query": "", "documents": ["a"]}, "query"),
         ({"query": QUERY, "documents": "a"}, "documents"),
@@ -184,7 +183,21 @@ def test_bad_input_is_a_400_and_the_server_keeps_serving(server, body, param):
 def test_cohere_client_raises_bad_request(server):
     client = cohere.ClientV2(base_url=server.url, api_key=KEY, timeout=60)
     with pytest.raises(cohere.BadRequestError):
-        client.rerank(model="tiny-ce", query=QUERY, documents=["a", "b"], top_n=5)
+        client.rerank(model="tiny-ce", query=QUERY, documents=["a", "b"], top_n=0)
+
+
+@pytest.mark.parametrize("top_n", [3, 2**31 - 1])
+def test_top_n_past_the_documents_returns_every_document_best_first(server, reference, top_n):
+    """LangChain's CohereRerank asks top_n=3 whatever the retrieval found: two documents answer both, in
+    CrossEncoder.rank's order (as Cohere's and vLLM's rerank do), not a 400."""
+    model, _ = reference
+    docs = DOCUMENTS[:2]
+    client = cohere.ClientV2(base_url=server.url, api_key=KEY, timeout=60)
+    res = client.rerank(model="tiny-ce", query=QUERY, documents=docs, top_n=top_n)
+    expected = model.rank(QUERY, docs)
+    assert [r.index for r in res.results] == [r["corpus_id"] for r in expected]
+    for got, want in zip(res.results, expected):
+        assert abs(got.relevance_score - float(want["score"])) <= TOLERANCE
 
 
 def test_an_embedding_model_does_not_rerank_and_a_cross_encoder_does_not_embed(server):

@@ -22,9 +22,9 @@ from embed_service.api import encodings
 from embed_service.api.access_log import note
 from embed_service.api.errors import invalid_request
 from embed_service.api.openapi import errors, json_body, ok
-from embed_service.api.routes import Authorized, json_response, read_json, serving, until_disconnect
+from embed_service.api.routes import Authorized, json_answer, read_json, serving, until_disconnect
 from embed_service.api.schemas import CohereEmbedRequest, CohereEmbedResponse
-from embed_service.engine.engine import EmbedOptions, Engine
+from embed_service.engine.engine import EmbedOptions, Engine, output_dimension
 from embed_service.outputs import DENSE_ONLY
 
 router = APIRouter()
@@ -73,17 +73,17 @@ def options(body: CohereEmbedRequest, engine: Engine) -> EmbedOptions:
         raise invalid_request(
             f"max_tokens below the model's max input length ({limit}) is not supported", "max_tokens"
         )
-    dimension = body.output_dimension
-    if dimension is not None and not 1 <= dimension <= engine.spec.dimension:
-        raise invalid_request(
-            f"output_dimension must be in 1..{engine.spec.dimension}, got {dimension}", "output_dimension"
-        )
+    output_dimension(body.output_dimension, engine.spec.dimension, "output_dimension")
     names = PROMPT_NAMES.get(body.input_type or "", ())
     prompt_name = next((n for n in names if n in engine.spec.prompts), None)
     truncate, direction = TRUNCATION[body.truncate or "END"]
     # Cohere embeds are dense vectors, whatever the model gives by default (a SPLADE model refuses them).
     return EmbedOptions(
-        truncate, direction, dimensions=dimension, prompt_name=prompt_name, outputs=DENSE_ONLY.kinds
+        truncate,
+        direction,
+        dimensions=body.output_dimension,
+        prompt_name=prompt_name,
+        outputs=DENSE_ONLY.kinds,
     )
 
 
@@ -102,19 +102,20 @@ async def embed(request: Request, by_type: bool) -> Response:
     result = await until_disconnect(request, engine.embed(texts, opts))
     note(request, tokens=result.prompt_tokens)
     vectors = result.embeddings  # (n, d) float32, sliced and normalized
-    embeddings: Any
-    if by_type or body.embedding_types:
-        embeddings = {
-            t: encodings.rows(vectors, "float32", "base64", None)
-            if t == "base64"
-            else encodings.rows(vectors, "float32" if t == "float" else t, "float", ranges)
-            for t in types
-        }
-    else:
-        embeddings = vectors
-    tokens = {"input_tokens": result.prompt_tokens}
-    return json_response(
-        {
+
+    def answer() -> dict[str, Any]:
+        embeddings: Any
+        if by_type or body.embedding_types:
+            embeddings = {
+                t: encodings.rows(vectors, "float32", "base64", None)
+                if t == "base64"
+                else encodings.rows(vectors, "float32" if t == "float" else t, "float", ranges)
+                for t in types
+            }
+        else:
+            embeddings = vectors
+        tokens = {"input_tokens": result.prompt_tokens}
+        return {
             "response_type": "embeddings_by_type" if isinstance(embeddings, dict) else "embeddings_floats",
             "id": str(uuid.uuid4()),
             "embeddings": embeddings,
@@ -125,7 +126,8 @@ async def embed(request: Request, by_type: bool) -> Response:
                 "tokens": tokens,
             },
         }
-    )
+
+    return await json_answer(answer, vectors.size * len(types))
 
 
 @router.post("/v2/embed", summary="Embed texts (Cohere embed API v2)", **_ROUTE)

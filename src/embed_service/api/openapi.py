@@ -16,10 +16,16 @@ from embed_service.api.schemas import (
     CohereEmbedRequest,
     EmbeddingRequest,
     ErrorResponse,
+    SparseEmbedRequest,
     TokenizeRequest,
 )
 
-REQUEST_MODELS: tuple[type[BaseModel], ...] = (EmbeddingRequest, TokenizeRequest, CohereEmbedRequest)
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (
+    EmbeddingRequest,
+    SparseEmbedRequest,
+    TokenizeRequest,
+    CohereEmbedRequest,
+)
 
 _WHEN = {
     400: "Invalid request: malformed JSON, a field of the wrong type or value, an input the model cannot "

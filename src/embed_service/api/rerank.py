@@ -19,14 +19,13 @@ from typing import Annotated, Any
 
 import numpy as np
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
 from starlette.responses import Response
 
 from embed_service.api.access_log import note
-from embed_service.api.errors import invalid_request
 from embed_service.api.openapi import errors, json_body, ok
 from embed_service.api.routes import Authorized, json_response, read_json, serving, until_disconnect
-from embed_service.api.schemas import TEXT_INPUT, _check_input
+from embed_service.api.schemas import TEXT_INPUT, Cut, Priority, _check_input
 from embed_service.engine.engine import EmbedOptions
 
 router = APIRouter()
@@ -51,29 +50,22 @@ class RerankRequest(BaseModel):
     """The query every document is scored against."""
     documents: list[StrictStr | RerankDocument] = Field(min_length=1)
     """The documents: strings, or objects with a ``text``. At most --max-client-batch-size."""
-    top_n: StrictInt | None = Field(None, json_schema_extra={"minimum": 1})
-    """Return the best N results only (1..the number of documents); default: all."""
+    top_n: Cut | None = None
+    """Return the best N results only; default, or N at least the number of documents: all of them."""
     return_documents: StrictBool = False
     """Return each result's document text beside its index."""
     truncate: StrictBool = True
     """Cut a pair longer than the max input length (longest_first, as CrossEncoder); false: a 400."""
-    max_tokens_per_doc: StrictInt | None = Field(None, json_schema_extra={"minimum": 1})
+    max_tokens_per_doc: Cut | None = None
     """Cut each document to this many tokens first (Cohere v2); the pair's limit still applies."""
     rank_fields: Any = None
     """Accepted and ignored (Cohere v1): documents are scored by their text."""
     max_chunks_per_doc: Any = None
     """Accepted and ignored (Cohere v1)."""
-    priority: StrictInt | None = None
+    priority: Priority | None = None
     """Accepted and ignored."""
     instruction: StrictStr | None = None
     """An LLM reranker's task instruction (default: --rerank-instruction); a cross-encoder refuses it."""
-
-    @field_validator("top_n", "max_tokens_per_doc", mode="before")
-    @classmethod
-    def _positive(cls, v: Any) -> Any:
-        if isinstance(v, int) and not isinstance(v, bool) and v < 1:
-            raise ValueError("must be at least 1")
-        return v
 
 
 class RerankResult(BaseModel):
@@ -140,8 +132,6 @@ async def rerank(request: Request, version: str) -> Response:
     texts = [d if isinstance(d, str) else d.text for d in body.documents]
     note(request, inputs=len(texts))
     engine = serving(request, body.model)
-    if body.top_n is not None and body.top_n > len(texts):
-        raise invalid_request(f"top_n is {body.top_n}, more than the {len(texts)} documents", "top_n")
     result = await until_disconnect(
         request, engine.rerank(body.query, texts, body.truncate, body.max_tokens_per_doc, body.instruction)
     )

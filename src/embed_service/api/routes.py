@@ -7,7 +7,7 @@ decorators only declare them, and every error a route can give, for /openapi.jso
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
 import orjson
@@ -45,7 +45,7 @@ from embed_service.api.schemas import (
     TokenizeResponse,
 )
 from embed_service.engine.chunking import ChunkOptions, Chunks
-from embed_service.engine.engine import EmbedOptions, Engine
+from embed_service.engine.engine import EmbedOptions, EmbedResult, Engine, output_dimension
 
 router = APIRouter()
 T = TypeVar("T")
@@ -74,6 +74,28 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
         media_type="application/json",
         headers=headers,
     )
+
+
+# An answer of more values than this is encoded and serialized on a thread: the largest answers (at most
+# --max-client-batch-size x the dimension values, or a ColBERT request's tokens x its width; docs/api.md,
+# Admission) then never hold the event loop that every other request's reads and answers wait on.
+OFF_LOOP_VALUES = 1 << 16
+
+
+def result_values(result: EmbedResult) -> int:
+    """How many numbers an embed result's answer carries (what its encoding and serialization cost)."""
+    values = result.embeddings.size
+    values += sum(c.vectors.size for c in result.chunks or ())
+    values += sum(2 * s.values.size for s in result.sparse or ())
+    return values + sum(m.size for m in result.colbert or ())
+
+
+async def json_answer(build: Callable[[], Any], values: int) -> Response:
+    """`build()`'s body as a JSON response: built inline when small, on a thread past OFF_LOOP_VALUES."""
+    if values <= OFF_LOOP_VALUES:
+        return json_response(build())
+    body = await asyncio.to_thread(lambda: orjson.dumps(build(), option=orjson.OPT_SERIALIZE_NUMPY))
+    return Response(body, media_type="application/json")
 
 
 def chunk_items(chunks: Chunks, rows: Any) -> list[dict[str, Any]]:
@@ -191,38 +213,42 @@ async def embeddings(request: Request, _: Authorized) -> Response:
     engine = serving(request, body.model)
     # Admission (the client batch limit, the character budgets, capacity) is the engine's, for every route.
     opts = embed_options(body)
-    dimension = body.dimensions or engine.spec.dimension  # checked before any work is paid for
+    # Checked before anything is sized by it: the encodings' ranges, then the response.
+    dimension = output_dimension(body.dimensions, engine.spec.dimension)
     ranges = encodings.check_ranges(body.embed_dtype, body.embed_ranges, dimension)
     if body.chunking is not None:  # long inputs (engine/chunking.py)
         c = body.chunking
         opts.chunking = ChunkOptions(c.enabled, c.overlap, c.return_chunks)
     result = await until_disconnect(request, engine.embed(body.input, opts))
     note(request, tokens=result.prompt_tokens)
-    b64 = body.encoding_format == "base64"
-    data: list[dict[str, Any]] = [{"object": "embedding", "index": i} for i in range(len(body.input))]
-    if "dense" in (opts.outputs or engine.spec.default_outputs):
-        # base64 strings, or arrays orjson writes straight as numbers: no per-value Python objects.
-        rows = encodings.rows(result.embeddings, body.embed_dtype, body.encoding_format, ranges)
-        for item, row in zip(data, rows):
-            item["embedding"] = row
-    if result.chunks is not None:
-        for item, chunks in zip(data, result.chunks):
-            windows = encodings.rows(chunks.vectors, body.embed_dtype, body.encoding_format, ranges)
-            item["chunks"] = chunk_items(chunks, windows)
-    for item, sparse in zip(data, result.sparse or ()):
-        item["sparse"] = {"indices": sparse.indices, "values": sparse.values}
-        if body.sparse_tokens:
-            item["sparse"]["tokens"] = engine.tokenizer.tokens(sparse.indices.tolist())
-    for item, matrix in zip(data, result.colbert or ()):  # float32 whatever the embed_dtype
-        item["colbert"] = encodings.base64_rows(matrix) if b64 else matrix
-    return json_response(
-        {
+    dense = "dense" in (opts.outputs or engine.spec.default_outputs)
+
+    def answer() -> dict[str, Any]:
+        b64 = body.encoding_format == "base64"
+        data: list[dict[str, Any]] = [{"object": "embedding", "index": i} for i in range(len(body.input))]
+        if dense:
+            # base64 strings, or arrays orjson writes straight as numbers: no per-value Python objects.
+            rows = encodings.rows(result.embeddings, body.embed_dtype, body.encoding_format, ranges)
+            for item, row in zip(data, rows):
+                item["embedding"] = row
+        if result.chunks is not None:
+            for item, chunks in zip(data, result.chunks):
+                windows = encodings.rows(chunks.vectors, body.embed_dtype, body.encoding_format, ranges)
+                item["chunks"] = chunk_items(chunks, windows)
+        for item, sparse in zip(data, result.sparse or ()):
+            item["sparse"] = {"indices": sparse.indices, "values": sparse.values}
+            if body.sparse_tokens:
+                item["sparse"]["tokens"] = engine.tokenizer.tokens(sparse.indices.tolist())
+        for item, matrix in zip(data, result.colbert or ()):  # float32 whatever the embed_dtype
+            item["colbert"] = encodings.base64_rows(matrix) if b64 else matrix
+        return {
             "object": "list",
             "data": data,
             "model": body.model or engine.name,
             "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
         }
-    )
+
+    return await json_answer(answer, result_values(result))
 
 
 @router.post(
@@ -246,11 +272,12 @@ async def embed_sparse(request: Request, _: Authorized) -> Response:
     )
     result = await until_disconnect(request, engine.embed(body.inputs, opts))
     note(request, tokens=result.prompt_tokens)
-    return json_response(
-        [
+    return await json_answer(
+        lambda: [
             [{"index": int(i), "value": float(v)} for i, v in zip(s.indices, s.values)]
             for s in result.sparse or ()
-        ]
+        ],
+        result_values(result),
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -26,7 +27,11 @@ from embed_service.api.encodings import EmbedDtype
 
 _TEXT = {"type": "string", "minLength": 1}
 _TEXTS = {"type": "array", "minItems": 1, "items": _TEXT}
-_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+_TOKEN_IDS = {
+    "type": "array",
+    "minItems": 1,
+    "items": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1},
+}
 EMBED_INPUT = WithJsonSchema(
     {
         "anyOf": [_TEXT, _TEXTS, _TOKEN_IDS, {"type": "array", "minItems": 1, "items": _TOKEN_IDS}],
@@ -35,6 +40,54 @@ EMBED_INPUT = WithJsonSchema(
     }
 )
 TEXT_INPUT = WithJsonSchema({"anyOf": [_TEXT, _TEXTS], "description": "A text or a list of texts."})
+
+# The bounds of every number a request may send, checked when the body is validated, before anything is
+# computed from it (a `dimensions` of 2**32 once sized an allocation), and stated in /openapi.json so that
+# fuzzers generate at the edges. Each is a ceiling no model or request reaches; the model-specific checks
+# (a model's dimension, its max input length) come after, with their own messages.
+MAX_DIMENSIONS = 65_536
+"""`dimensions`, `output_dimension`: no served model has more features."""
+MAX_TOKENS = 2**24
+"""Token counts and vocabulary-sized counts (`max_active_dims`, `chunking.overlap`): 16,777,216."""
+MAX_INT32 = 2**31 - 1
+"""Counts that only cut or slice (`top_n`, `max_tokens_per_doc`, Cohere's `max_tokens`, `priority`)."""
+MAX_FLOAT32 = 3.4028234663852886e38
+"""float32's largest finite value: the ceiling of every float field."""
+
+
+def _in_range(lo: int, hi: int) -> AfterValidator:
+    def check(v: int) -> int:
+        if not lo <= v <= hi:
+            raise ValueError(f"must be in {lo}..{hi}, got {v}")
+        return v
+
+    return AfterValidator(check)
+
+
+def _integers(lo: int, hi: int) -> WithJsonSchema:
+    return WithJsonSchema({"type": "integer", "minimum": lo, "maximum": hi})
+
+
+# Integer fields (a float or a bool is refused): the bounds enforced and stated in the JSON Schema.
+Dimensions = Annotated[StrictInt, _in_range(1, MAX_DIMENSIONS), _integers(1, MAX_DIMENSIONS)]
+TokenCount = Annotated[StrictInt, _in_range(1, MAX_TOKENS), _integers(1, MAX_TOKENS)]
+Overlap = Annotated[StrictInt, _in_range(0, MAX_TOKENS), _integers(0, MAX_TOKENS)]
+Cut = Annotated[StrictInt, _in_range(1, MAX_INT32), _integers(1, MAX_INT32)]
+Priority = Annotated[StrictInt, _in_range(-MAX_INT32 - 1, MAX_INT32), _integers(-MAX_INT32 - 1, MAX_INT32)]
+
+
+def _finite_non_negative(v: float) -> float:
+    if not 0 <= v <= MAX_FLOAT32:  # NaN fails both comparisons
+        raise ValueError(f"must be a finite number >= 0, got {v}")
+    return v
+
+
+Threshold = Annotated[
+    StrictFloat | StrictInt,
+    AfterValidator(_finite_non_negative),
+    WithJsonSchema({"type": "number", "minimum": 0, "maximum": MAX_FLOAT32}),
+]
+"""A weight threshold: a finite number >= 0 (float32's largest at most)."""
 
 
 def _check_input(v: Any) -> list[str] | list[list[int]]:
@@ -69,11 +122,11 @@ def _check_input(v: Any) -> list[str] | list[list[int]]:
     raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
 
 
-_NUMBER = {"type": "number"}
-_NUMBERS = {"type": "array", "minItems": 1, "items": _NUMBER}
+_NUMBER = {"type": "number", "minimum": -MAX_FLOAT32, "maximum": MAX_FLOAT32}
+_NUMBERS = {"type": "array", "minItems": 1, "maxItems": MAX_DIMENSIONS, "items": _NUMBER}
+_PerDimension = Annotated[list[StrictFloat | StrictInt], Field(min_length=1, max_length=MAX_DIMENSIONS)]
 EmbedRanges = Annotated[
-    tuple[StrictFloat | StrictInt, StrictFloat | StrictInt]
-    | tuple[list[StrictFloat | StrictInt], list[StrictFloat | StrictInt]],
+    tuple[StrictFloat | StrictInt, StrictFloat | StrictInt] | tuple[_PerDimension, _PerDimension],
     WithJsonSchema(
         {
             "anyOf": [
@@ -81,7 +134,7 @@ EmbedRanges = Annotated[
                 {"type": "array", "minItems": 2, "maxItems": 2, "items": _NUMBERS},
             ],
             "description": "[low, high] for every dimension, or [[lows...], [highs...]] with one per "
-            "output dimension; each low at most its high.",
+            "output dimension; each low at most its high, all finite float32 numbers.",
         }
     ),
 ]
@@ -98,7 +151,7 @@ class Chunking(BaseModel):
 
     enabled: StrictBool = True
     """Chunk long texts (sending the object turns it on); false: truncate as without it."""
-    overlap: StrictInt | None = Field(None, json_schema_extra={"minimum": 0})
+    overlap: Overlap | None = None
     """Tokens each window shares with the one before it (at most half a window). Default: --chunk-overlap."""
     return_chunks: StrictBool = False
     """Also return each window's vector and its character span in the text."""
@@ -115,7 +168,7 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] | None = None
     """``base64``: each vector as base64 of its little-endian bytes (float32 unless embed_dtype says).
     Default: float (JSON numbers)."""
-    dimensions: StrictInt | None = Field(None, json_schema_extra={"minimum": 1})
+    dimensions: Dimensions | None = None
     """Keep the first N features (at most the model's dimension), then re-normalize."""
     user: str | None = None
     """Accepted and ignored."""
@@ -142,9 +195,9 @@ class EmbeddingRequest(BaseModel):
     see docs/api.md."""
     sparse_tokens: StrictBool = False
     """With a sparse output: also each token id's token, as ``sparse.tokens``."""
-    max_active_dims: StrictInt | None = Field(None, json_schema_extra={"minimum": 1})
+    max_active_dims: TokenCount | None = None
     """With a sparse output: keep only the N largest weights (sentence-transformers' max_active_dims)."""
-    sparse_threshold: StrictFloat | StrictInt | None = Field(None, json_schema_extra={"minimum": 0})
+    sparse_threshold: Threshold | None = None
     """With a sparse output: drop the weights below it (applied before max_active_dims)."""
 
     @field_validator("input", mode="before")
@@ -164,9 +217,9 @@ class SparseEmbedRequest(BaseModel):
     truncation_direction: Literal["right", "left"] = "right"
     prompt_name: StrictStr | None = None
     prompt: StrictStr | None = None
-    max_active_dims: StrictInt | None = Field(None, json_schema_extra={"minimum": 1})
+    max_active_dims: TokenCount | None = None
     """Keep only the N largest weights (sentence-transformers' max_active_dims)."""
-    sparse_threshold: StrictFloat | StrictInt | None = Field(None, json_schema_extra={"minimum": 0})
+    sparse_threshold: Threshold | None = None
     """Drop the weights below it (applied before max_active_dims)."""
 
     @field_validator("inputs", mode="before")
@@ -359,13 +412,13 @@ class CohereEmbedRequest(BaseModel):
     """Selects the model's prompt of that purpose (docs/api.md); ``image`` is refused."""
     embedding_types: list[CohereEmbeddingType] | None = Field(None, min_length=1)
     """The encodings to return, each under its own key; default ``["float"]``."""
-    output_dimension: StrictInt | None = Field(None, json_schema_extra={"minimum": 1})
+    output_dimension: Dimensions | None = None
     """Keep the first N features (at most the model's dimension), then re-normalize."""
     truncate: Literal["NONE", "START", "END"] | None = None
     """END (default): cut the end of a long input; START: cut its start; NONE: refuse it (400)."""
-    max_tokens: StrictInt | None = Field(None, json_schema_extra={"minimum": 1})
+    max_tokens: Cut | None = None
     """Accepted only when at least the model's max input length (which is what applies)."""
-    priority: StrictInt | None = None
+    priority: Priority | None = None
     """Accepted and ignored."""
     embed_ranges: EmbedRanges | None = None
     """int8/uint8 only: as on /v1/embeddings. Default [-1, 1] for every dimension."""

@@ -107,6 +107,16 @@ def finish(vectors: np.ndarray, dimensions: int | None, normalize: bool) -> np.n
     return np.ascontiguousarray(vectors, dtype=np.float32)
 
 
+def output_dimension(dimensions: int | None, model_dimension: int, param: str = "dimensions") -> int:
+    """The width of a request's vectors: `dimensions` (checked: 1..the model's) or the model's. Checked
+    before anything is sized by it (the encodings' ranges, the response)."""
+    if dimensions is None:
+        return model_dimension
+    if not 1 <= dimensions <= model_dimension:
+        raise InvalidInputError(f"{param} must be in 1..{model_dimension}, got {dimensions}", param=param)
+    return dimensions
+
+
 def weight_bytes(spec: ModelSpec) -> int:
     """The checkpoint's size on disk."""
     return sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in spec.path.glob(pattern))
@@ -181,10 +191,7 @@ class TextSide:
     def _output_checks(self, opts: EmbedOptions) -> OutputRequest:
         """embed()'s first refusals: the model not ready, `dimensions`, the outputs and their options."""
         self._check_ready()
-        if opts.dimensions is not None and not 1 <= opts.dimensions <= self.spec.dimension:
-            raise InvalidInputError(
-                f"dimensions must be in 1..{self.spec.dimension}, got {opts.dimensions}", param="dimensions"
-            )
+        output_dimension(opts.dimensions, self.spec.dimension)
         output = self.output_request(opts.outputs)
         self._check_sparse_options(opts, output)
         return output
