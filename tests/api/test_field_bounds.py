@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,8 @@ import httpx
 import psutil
 import pytest
 
+from embed_service import Embedder
+from embed_service.engine.errors import InvalidInputError
 from tests.models.cross_encoders import bert_config
 from tests.models.cross_encoders import build as build_scorer
 from tests.models.test_splade import BERT, write_splade
@@ -199,10 +202,9 @@ def _status_kib(pid: int, key: str) -> int:
 def reset_peaks(server: ServerProcess) -> dict[int, int]:
     """Reset each server process's peak resident size to its current one (Linux: clear_refs 5); returns
     the current sizes (KiB) by pid."""
-    now = {}
+    now: dict[int, int] = {}
     for p in server_processes(server):
-        Path(f"/proc/{p.pid}/clear_refs").write_text("5")
-        now[p.pid] = _status_kib(p.pid, "VmRSS")
+        now |= reset_peaks_of(p.pid)
     return now
 
 
@@ -361,3 +363,32 @@ def test_every_declared_bound_is_enforced_at_its_edges(server, spec):
                     if not node["minimum"] <= v <= node["maximum"]:
                         assert r.status_code == 400 and r.json()["error"]["param"] == where, (path, where, v)
     assert tried >= 40
+
+
+@pytest.mark.parametrize(
+    "options, param",
+    [
+        ({"dimensions": 2**32, "embed_dtype": "int8"}, "dimensions"),
+        ({"dimensions": 3 * 10**8, "embed_dtype": "uint8"}, "dimensions"),
+        ({"dimensions": 385, "embed_dtype": "uint8"}, "dimensions"),
+        ({"dimensions": 1.5}, "dimensions"),
+        ({"embed_dtype": "int8", "embed_ranges": [float("nan"), 1.0]}, "embed_ranges"),
+    ],
+)
+def test_the_python_api_applies_the_same_bounds(embedder, options, param):
+    before = reset_peaks_of(os.getpid())
+    with pytest.raises(InvalidInputError) as raised:
+        embedder.encode(["a"], **options)
+    assert raised.value.param == param
+    assert peak_growth(before) < 16 * 2**20
+
+
+@pytest.fixture(scope="module")
+def embedder() -> Iterator[Embedder]:
+    with Embedder(dtype="float32", data_parallel_size=1) as e:
+        yield e
+
+
+def reset_peaks_of(pid: int) -> dict[int, int]:
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    return {pid: _status_kib(pid, "VmRSS")}
