@@ -321,7 +321,8 @@ class Embedder:
         )
         body = _validate(EmbeddingRequest, {"input": _plain(inputs), **options})
         opts = embed_options(body)
-        engine.output_request(opts.outputs)  # a kind the model lacks: refused before any work
+        kinds = engine.output_request(opts.outputs).kinds  # a kind the model lacks: refused before any work
+        encodings.check_applies(kinds, body.embed_dtype, body.dimensions, body.embed_ranges)
         dimension = output_dimension(body.dimensions, engine.spec.dimension)  # before ranges are sized
         ranges = encodings.check_ranges(body.embed_dtype, body.embed_ranges, dimension)
         return _Request(body, opts, ranges)

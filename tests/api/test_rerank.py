@@ -162,6 +162,7 @@ def test_thousands_of_documents_are_admitted_and_batched(server):
         ({"query": "", "documents": ["a"]}, "query"),
         ({"query": QUERY, "documents": "a"}, "documents"),
         ({"query": QUERY, "documents": [{"title": "no text"}]}, "documents"),
+        ({"query": QUERY, "documents": [{"txt": "a typo"}]}, "documents"),
         ({"query": QUERY, "documents": [3]}, "documents"),
         ({"query": QUERY, "documents": ["a"], "max_tokens_per_doc": 0}, "max_tokens_per_doc"),
         ({"query": QUERY, "documents": ["a"], "instruction": "rank"}, "instruction"),
@@ -178,6 +179,30 @@ def test_bad_input_is_a_400_and_the_server_keeps_serving(server, body, param):
         assert r.status_code == 400, r.text
         assert param in (error["param"] or "") + error["message"]
     assert post(server, "/rerank", {"query": QUERY, "documents": ["a"]}).status_code == 200
+
+
+def test_refusals_name_the_field_and_the_form_a_client_meant(server):
+    """A document object without a text says which document and which form is accepted (not a pydantic
+    union branch); a pair past the max length with truncate false names documents (the route has no
+    input field) and the document's index."""
+    r = post(server, "/v2/rerank", {"model": "tiny-ce", "query": QUERY, "documents": ["ok", {"txt": "x"}]})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "documents"
+    assert "document 1" in error["message"] and '{"text": ...}' in error["message"], error
+    assert ".str" not in error["message"]
+    long = " ".join(["word"] * 600)
+    body = {"model": "tiny-ce", "query": QUERY, "documents": ["short", long], "truncate": False}
+    r = post(server, "/v2/rerank", body)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "documents", error
+    assert "document 1" in error["message"] and "truncate" in error["message"], error
+
+
+def test_cohere_embed_refusals_name_texts(server):
+    long = " ".join(["word"] * 600)
+    body = {"model": "minilm", "texts": ["a", long], "truncate": "NONE"}
+    r = post(server, "/v2/embed", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "texts", r.text
 
 
 def test_cohere_client_raises_bad_request(server):

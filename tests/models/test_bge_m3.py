@@ -294,6 +294,26 @@ def test_chunking_takes_the_dense_output_only(served):
     assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) > 0
 
 
+def test_encoding_fields_without_a_dense_output_or_beside_colbert_are_refused(served):
+    """dimensions, embed_dtype and embed_ranges shape dense vectors: with sparse or ColBERT outputs alone
+    they are a 400 naming the field (they were ignored), and a non-float32 embed_dtype beside ColBERT
+    vectors (sent as float32) is too; float32 beside them, and int8 on dense alone, still serve."""
+    _, url, _ = served
+    for body, param in [
+        ({"outputs": ["sparse"], "dimensions": 8}, "dimensions"),
+        ({"outputs": ["sparse"], "embed_dtype": "int8"}, "embed_dtype"),
+        ({"outputs": ["colbert"], "embed_ranges": [-1, 1]}, "embed_ranges"),
+        ({"outputs": ["dense", "colbert"], "embed_dtype": "binary"}, "embed_dtype"),
+        ({"outputs": ["colbert"], "embed_dtype": "float16"}, "embed_dtype"),
+    ]:
+        r = post(url, {"input": "x", **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    ok = post(url, {"input": "x", "outputs": ["dense", "colbert"], "embed_dtype": "float32"})
+    assert ok.status_code == 200 and ok.json()["data"][0]["colbert"]
+    ok = post(url, {"input": "x", "outputs": ["dense"], "embed_dtype": "int8"})
+    assert ok.status_code == 200 and all(isinstance(v, int) for v in ok.json()["data"][0]["embedding"])
+
+
 def test_max_active_dims_and_threshold_on_lexical_weights(served, ours_and_ref):
     """Top-k and the threshold apply after the special tokens are dropped: exactly the k largest of the
     reference's weights; without a sparse output either option is a 400 naming it."""

@@ -247,6 +247,10 @@ def test_refusals(servers):
         ({"input": "x", "sparse_threshold": -0.5}, "sparse_threshold", "/v1/embeddings"),
         ({"inputs": "x", "sparse_threshold": "high"}, "sparse_threshold", "/embed_sparse"),
         ({"input": "x", "chunking": {}}, "chunking", "/v1/embeddings"),
+        # The encoding fields shape dense vectors, which a SPLADE model does not give (they were ignored).
+        ({"input": "x", "dimensions": 16}, "dimensions", "/v1/embeddings"),
+        ({"input": "x", "embed_dtype": "uint8"}, "embed_dtype", "/v1/embeddings"),
+        ({"input": "x", "embed_dtype": "int8", "embed_ranges": [-1, 1]}, "embed_dtype", "/v1/embeddings"),
         (
             {"texts": ["x"], "input_type": "search_query", "embedding_types": ["float"]},
             "outputs",

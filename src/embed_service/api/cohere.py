@@ -25,6 +25,7 @@ from embed_service.api.openapi import errors, json_body, ok
 from embed_service.api.routes import Authorized, json_answer, read_json, serving, until_disconnect
 from embed_service.api.schemas import CohereEmbedRequest, CohereEmbedResponse
 from embed_service.engine.engine import EmbedOptions, Engine, output_dimension
+from embed_service.engine.errors import InvalidInputError
 from embed_service.outputs import DENSE_ONLY
 
 router = APIRouter()
@@ -99,7 +100,13 @@ async def embed(request: Request, by_type: bool) -> Response:
     if body.embed_ranges is not None and not integer:
         raise invalid_request("embed_ranges applies to embedding_types int8 and uint8", "embed_ranges")
     ranges = encodings.check_ranges("int8", body.embed_ranges, dimension) if integer else None
-    result = await until_disconnect(request, engine.embed(texts, opts))
+    try:
+        result = await until_disconnect(request, engine.embed(texts, opts))
+    except InvalidInputError as exc:
+        if exc.param != "input":
+            raise
+        # The engine's input is this route's texts or inputs: name the field the client sent.
+        raise InvalidInputError(str(exc), "texts" if body.texts is not None else "inputs") from None
     note(request, tokens=result.prompt_tokens)
     vectors = result.embeddings  # (n, d) float32, sliced and normalized
 

@@ -155,6 +155,36 @@ def rows(vectors: np.ndarray, dtype: str, encoding_format: str | None, ranges: n
     return json_rows(encoded, dtype)
 
 
+def check_applies(
+    kinds: frozenset[str], dtype: str, dimensions: int | None, embed_ranges: Sequence[Any] | None
+) -> None:
+    """The encoding fields shape dense vectors only: sent with no dense output asked for (a SPLADE model's
+    default, ``outputs: ["sparse"]``), or `embed_dtype` beside ColBERT vectors (sent as float32), they are
+    refused rather than ignored."""
+    if "dense" not in kinds:
+        given = [
+            name
+            for name, value in (
+                ("dimensions", dimensions is not None),
+                ("embed_dtype", dtype != "float32"),
+                ("embed_ranges", embed_ranges is not None),
+            )
+            if value
+        ]
+        if given:
+            raise EncodingError(
+                f"{given[0]} applies to the dense output, which this request does not ask for (its outputs: "
+                f"{', '.join(sorted(kinds))}); leave it out",
+                given[0],
+            )
+    if "colbert" in kinds and dtype != "float32":
+        raise EncodingError(
+            f"embed_dtype {dtype} applies to dense vectors only and ColBERT vectors are sent as float32: ask "
+            "for the colbert output in a request with embed_dtype float32",
+            "embed_dtype",
+        )
+
+
 def check_ranges(dtype: str, embed_ranges: Sequence[Any] | None, dimension: int) -> np.ndarray | None:
     """The (2, dimension) ranges for an integer type; `embed_ranges` with any other type is refused."""
     if dtype in INTEGER_DTYPES:

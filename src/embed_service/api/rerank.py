@@ -67,6 +67,22 @@ class RerankRequest(BaseModel):
     instruction: StrictStr | None = None
     """An LLM reranker's task instruction (default: --rerank-instruction); a cross-encoder refuses it."""
 
+    @field_validator("documents", mode="before")
+    @classmethod
+    def _documents(cls, v: Any) -> Any:
+        # Said here: pydantic's own message names a union branch ("documents.0.str: ...") and not the
+        # object form a client meant to send.
+        if not isinstance(v, list):
+            raise ValueError("must be a list of strings, or of objects with a text (Cohere v1, Jina)")
+        for i, d in enumerate(v):
+            if not (isinstance(d, str) or (isinstance(d, dict) and isinstance(d.get("text"), str))):
+                got = f"an object with keys {sorted(d)[:5]}" if isinstance(d, dict) else type(d).__name__
+                raise ValueError(
+                    f'document {i} must be a string or an object with a string text ({{"text": ...}}), '
+                    f"got {got}"
+                )
+        return v
+
 
 class RerankResult(BaseModel):
     index: int

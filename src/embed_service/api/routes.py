@@ -215,13 +215,15 @@ async def embeddings(request: Request, _: Authorized) -> Response:
     opts = embed_options(body)
     # Checked before anything is sized by it: the encodings' ranges, then the response.
     dimension = output_dimension(body.dimensions, engine.spec.dimension)
+    kinds = engine.output_request(opts.outputs).kinds
+    encodings.check_applies(kinds, body.embed_dtype, body.dimensions, body.embed_ranges)
     ranges = encodings.check_ranges(body.embed_dtype, body.embed_ranges, dimension)
     if body.chunking is not None:  # long inputs (engine/chunking.py)
         c = body.chunking
         opts.chunking = ChunkOptions(c.enabled, c.overlap, c.return_chunks)
     result = await until_disconnect(request, engine.embed(body.input, opts))
     note(request, tokens=result.prompt_tokens)
-    dense = "dense" in (opts.outputs or engine.spec.default_outputs)
+    dense = "dense" in kinds
 
     def answer() -> dict[str, Any]:
         b64 = body.encoding_format == "base64"

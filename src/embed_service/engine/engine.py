@@ -765,9 +765,17 @@ class Engine(TextSide):
         check_pairs(query + (instruction or ""), documents, self.limits)
 
         def encode(piece: list[str], first: int) -> list[tuple[list[int], int]]:
-            if isinstance(pairs, PromptTokenizer):
-                return pairs.encode(query, piece, truncate, doc_tokens, first, instruction)
-            return pairs.encode(query, piece, truncate, doc_tokens, first)
+            try:
+                if isinstance(pairs, PromptTokenizer):
+                    return pairs.encode(query, piece, truncate, doc_tokens, first, instruction)
+                return pairs.encode(query, piece, truncate, doc_tokens, first)
+            except InputTooLongError as exc:  # the route's fields are query and documents, not input
+                raise InvalidInputError(
+                    f"the query and document {exc.index} make more than the maximum of {exc.limit} tokens "
+                    f"(at least {exc.length}); shorten them, or send truncate=true (the default) or "
+                    "max_tokens_per_doc",
+                    param="documents",
+                ) from None
 
         logits, tokens = await self._score(documents, query, encode)
         return ScoreResult(activate(logits, score.rerank_activation), tokens)

@@ -98,7 +98,7 @@ class PairTokenizer:
                 second = types.index(1) if 1 in types else 0
                 if second and any(t != 1 for t in types[second:]):
                     raise InvalidInputError(
-                        "the tokenizer's pair template has token types other than A then B"
+                        "the tokenizer's pair template has token types other than A then B", param="model"
                     )
             out.append((ids, second))
         return out
