@@ -16,6 +16,9 @@ clients fail with nothing said. This module adds, per connection:
 - past ``max_connections`` open connections, a request gets 503 in the API's error shape with
   ``Retry-After`` and its connection is closed; the limit is fitted to the open-file limit at start-up.
 
+It reads and sets private state of uvicorn's protocol (the request cycle, the pipeline, the keep-alive
+timer): pyproject.toml bounds uvicorn to the releases tests/api/test_uvicorn_contract.py passes on.
+
 Each of these answers is counted in ``embed_requests_total`` under the default model, as the app counts a
 request that names none, so a dashboard's error rate sees the clients refused before any route.
 """
