@@ -184,4 +184,6 @@ def test_the_same_admission_as_v1_embeddings(client, server):
     r = httpx.post(
         server.url + "/v1/embeddings", json={"input": too_many}, headers={"Authorization": f"Bearer {KEY}"}
     )
-    assert r.status_code == 400 and e.value.body == r.json()
+    # The same refusal, its param naming each route's own field.
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+    assert e.value.body == {"error": {**r.json()["error"], "param": "texts"}}
