@@ -14,56 +14,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from embed_service.layers.activation import get_activation, linear_act
-from embed_service.layers.embedding import ReplicatedEmbedding, VocabParallelEmbedding
-from embed_service.layers.linear import (
-    ColumnParallelLinear,
-    QKVParallelLinear,
-    ReplicatedLinear,
-    RowParallelLinear,
-)
+from embed_service.layers.embedding import VocabParallelEmbedding
+from embed_service.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from embed_service.layers.norm import LayerNorm
+from embed_service.models.encoder import AbsoluteEmbeddings, LayerStack, PackedSelfAttention
 from embed_service.models.spec import ModelSpec
 from embed_service.ops.attention import varlen_attention
 from embed_service.ops.batch import FlatBatch
 
 
-class BertEmbeddings(nn.Module):
-    def __init__(self, cfg: dict[str, Any], position_offset: int):
-        super().__init__()
-        h = cfg["hidden_size"]
-        self.position_offset = position_offset
-        self.word_embeddings = VocabParallelEmbedding(cfg["vocab_size"], h)
-        self.position_embeddings = ReplicatedEmbedding(cfg["max_position_embeddings"], h)
-        self.type_vocab_size = cfg.get("type_vocab_size", 0)
-        if self.type_vocab_size:
-            self.token_type_embeddings = ReplicatedEmbedding(self.type_vocab_size, h)
-        self.LayerNorm = LayerNorm(h, cfg.get("layer_norm_eps", 1e-12))
-
-    def forward(self, batch: FlatBatch) -> torch.Tensor:
-        x = self.word_embeddings(batch.input_ids) + self.position_embeddings(
-            batch.positions + self.position_offset
-        )
-        if self.type_vocab_size:
-            if batch.token_type_ids is None:  # single texts: every token is segment 0
-                x = x + self.token_type_embeddings.weight[0]
-            else:  # pairs (cross-encoders): the second text is segment 1
-                x = x + self.token_type_embeddings(batch.token_type_ids)
-        return self.LayerNorm(x)
+class BertEmbeddings(AbsoluteEmbeddings):
+    """word + position (after ``position_offset``) + token type embeddings, then LayerNorm."""
 
 
-class BertSelfAttention(nn.Module):
-    def __init__(self, cfg: dict[str, Any]):
-        super().__init__()
-        h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        self.head_dim = h // heads
-        self.qkv_proj = QKVParallelLinear(h, self.head_dim, heads, heads, bias=True)
-        self.num_heads = self.qkv_proj.num_heads
-
+class BertSelfAttention(PackedSelfAttention):
     def forward(self, x: torch.Tensor, batch: FlatBatch) -> torch.Tensor:
-        qkv = self.qkv_proj(x)  # (T, 3 * heads_r * D)
-        q, k, v = qkv.view(x.shape[0], 3 * self.num_heads, self.head_dim).split(self.num_heads, dim=1)
-        out = varlen_attention(q, k, v, batch, causal=False)  # (T, heads_r, D)
-        return out.reshape(x.shape[0], self.num_heads * self.head_dim)
+        q, k, v = self.heads(x)
+        return self.merge(varlen_attention(q, k, v, batch, causal=False))  # (T, heads_r * D)
 
 
 class BertOutput(nn.Module):
@@ -113,15 +80,9 @@ class BertLayer(nn.Module):
         return self.output(self.intermediate(h), h)
 
 
-class BertEncoder(nn.Module):
+class BertEncoder(LayerStack):
     def __init__(self, cfg: dict[str, Any]):
-        super().__init__()
-        self.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
-
-    def forward(self, x: torch.Tensor, batch: FlatBatch) -> torch.Tensor:
-        for layer in self.layer:
-            x = layer(x, batch)
-        return x
+        super().__init__(cfg, BertLayer)
 
 
 class BertModel(nn.Module):
@@ -133,7 +94,7 @@ class BertModel(nn.Module):
         "attention.self.key.": ("attention.self.qkv_proj.", "k"),
         "attention.self.value.": ("attention.self.qkv_proj.", "v"),
     }
-    checkpoint_prefixes = ("bert.", "model.")
+    checkpoint_prefixes: tuple[str, ...] = ("bert.", "model.")
     # The pooler and a classifier belong to the scoring head (models/scoring.py), which loads them itself
     # (a prefix is only stripped before this model's own modules: "bert.pooler." stays as it is).
     ignored_weights = (

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from embed_service.layers.activation import get_activation, linear_act
-from embed_service.layers.embedding import ReplicatedEmbedding, VocabParallelEmbedding
-from embed_service.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from embed_service.layers.linear import ColumnParallelLinear, RowParallelLinear
 from embed_service.layers.norm import LayerNorm
+from embed_service.models.encoder import AbsoluteEmbeddings, LayerStack, PackedSelfAttention
 from embed_service.models.spec import ModelSpec
 from embed_service.ops.attention import varlen_attention
 from embed_service.ops.batch import FlatBatch
@@ -23,34 +23,14 @@ from embed_service.ops.batch import FlatBatch
 EPS = 1e-12  # transformers' DistilBERT hard-codes it
 
 
-class Embeddings(nn.Module):
+class DistilBertSelfAttention(PackedSelfAttention):
     def __init__(self, cfg: dict[str, Any]):
-        super().__init__()
-        h = cfg["hidden_size"]
-        self.word_embeddings = VocabParallelEmbedding(cfg["vocab_size"], h)
-        self.position_embeddings = ReplicatedEmbedding(cfg["max_position_embeddings"], h)
-        self.LayerNorm = LayerNorm(h, EPS)
-
-    def forward(self, batch: FlatBatch) -> torch.Tensor:
-        return self.LayerNorm(
-            self.word_embeddings(batch.input_ids) + self.position_embeddings(batch.positions)
-        )
-
-
-class DistilBertSelfAttention(nn.Module):
-    def __init__(self, cfg: dict[str, Any]):
-        super().__init__()
-        h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        self.head_dim = h // heads
-        self.qkv_proj = QKVParallelLinear(h, self.head_dim, heads, heads, bias=True)
-        self.num_heads = self.qkv_proj.num_heads
-        self.out_lin = RowParallelLinear(h, h, what="hidden size")
+        super().__init__(cfg)
+        self.out_lin = RowParallelLinear(cfg["hidden_size"], cfg["hidden_size"], what="hidden size")
 
     def forward(self, x: torch.Tensor, batch: FlatBatch) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).view(t, 3 * self.num_heads, self.head_dim).split(self.num_heads, dim=1)
-        out = varlen_attention(q, k, v, batch, causal=False)  # (T, heads_r, D)
-        return self.out_lin(out.reshape(t, self.num_heads * self.head_dim))
+        q, k, v = self.heads(x)
+        return self.out_lin(self.merge(varlen_attention(q, k, v, batch, causal=False)))
 
 
 class FFN(nn.Module):
@@ -80,17 +60,6 @@ class TransformerBlock(nn.Module):
         return self.output_layer_norm(self.ffn(h) + h)
 
 
-class Transformer(nn.Module):
-    def __init__(self, cfg: dict[str, Any]):
-        super().__init__()
-        self.layer = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg["num_hidden_layers"]))
-
-    def forward(self, x: torch.Tensor, batch: FlatBatch) -> torch.Tensor:
-        for layer in self.layer:
-            x = layer(x, batch)
-        return x
-
-
 class DistilBertModel(nn.Module):
     """(T,) token ids -> (T, hidden) last hidden states."""
 
@@ -112,8 +81,9 @@ class DistilBertModel(nn.Module):
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.embeddings = Embeddings(spec.config)
-        self.transformer = Transformer(spec.config)
+        # Positions from 0, no token types, eps 1e-12 whatever the config says (as transformers).
+        self.embeddings = AbsoluteEmbeddings(spec.config, eps=EPS, token_types=False)
+        self.transformer = LayerStack(spec.config, TransformerBlock)
 
     def forward(self, batch: FlatBatch) -> torch.Tensor:
         return self.transformer(self.embeddings(batch), batch)

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from embed_service.layers.embedding import ReplicatedEmbedding, VocabParallelEmbedding
-from embed_service.layers.linear import QKVParallelLinear, RowParallelLinear, default_weight_loader
+from embed_service.layers.linear import RowParallelLinear, default_weight_loader
 from embed_service.layers.norm import LayerNorm
 from embed_service.models.bert import BertIntermediate, BertOutput
+from embed_service.models.encoder import AbsoluteEmbeddings, LayerStack, PackedSelfAttention
 from embed_service.models.spec import ModelSpec
 from embed_service.ops.batch import FlatBatch
 from embed_service.ops.scored_attention import varlen_attention_scored
@@ -61,34 +61,15 @@ class RelativePositionBias(nn.Module):
         return self.weight[buckets].permute(2, 0, 1)  # (heads_r, L, L)
 
 
-class MPNetEmbeddings(nn.Module):
-    def __init__(self, cfg: dict[str, Any], position_offset: int):
-        super().__init__()
-        h = cfg["hidden_size"]
-        self.position_offset = position_offset
-        self.word_embeddings = VocabParallelEmbedding(cfg["vocab_size"], h)
-        self.position_embeddings = ReplicatedEmbedding(cfg["max_position_embeddings"], h)
-        self.LayerNorm = LayerNorm(h, cfg.get("layer_norm_eps", 1e-12))
-
-    def forward(self, batch: FlatBatch) -> torch.Tensor:
-        positions = batch.positions + self.position_offset
-        return self.LayerNorm(self.word_embeddings(batch.input_ids) + self.position_embeddings(positions))
-
-
-class MPNetSelfAttention(nn.Module):
+class MPNetSelfAttention(PackedSelfAttention):
     def __init__(self, cfg: dict[str, Any]):
-        super().__init__()
-        h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        self.head_dim = h // heads
-        self.qkv_proj = QKVParallelLinear(h, self.head_dim, heads, heads, bias=True)
-        self.num_heads = self.qkv_proj.num_heads
-        self.o = RowParallelLinear(h, h, what="hidden size")
+        super().__init__(cfg)
+        self.o = RowParallelLinear(cfg["hidden_size"], cfg["hidden_size"], what="hidden size")
 
     def forward(self, x: torch.Tensor, batch: FlatBatch, bias: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).view(t, 3 * self.num_heads, self.head_dim).split(self.num_heads, dim=1)
+        q, k, v = self.heads(x)
         out = varlen_attention_scored(q, k, v, batch, causal=False, bias=bias)  # (T, heads_r, D)
-        return self.o(out.reshape(t, self.num_heads * self.head_dim))
+        return self.o(self.merge(out))
 
 
 class MPNetAttention(nn.Module):
@@ -113,19 +94,16 @@ class MPNetLayer(nn.Module):
         return self.output(self.intermediate(h), h)
 
 
-class MPNetEncoder(nn.Module):
+class MPNetEncoder(LayerStack):
     def __init__(self, cfg: dict[str, Any]):
-        super().__init__()
-        self.layer = nn.ModuleList(MPNetLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
+        super().__init__(cfg, MPNetLayer)
         self.relative_attention_bias = RelativePositionBias(
             cfg.get("relative_attention_num_buckets", NUM_BUCKETS), cfg["num_attention_heads"]
         )
 
-    def forward(self, x: torch.Tensor, batch: FlatBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: FlatBatch, *extra: torch.Tensor) -> torch.Tensor:
         bias = self.relative_attention_bias(batch.max_seqlen).to(x.dtype)  # shared by every layer
-        for layer in self.layer:
-            x = layer(x, batch, bias)
-        return x
+        return super().forward(x, batch, bias, *extra)
 
 
 class MPNetModel(nn.Module):
@@ -141,7 +119,8 @@ class MPNetModel(nn.Module):
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.embeddings = MPNetEmbeddings(spec.config, spec.position_offset)
+        # No token types: positions after the padding index, as RoBERTa's.
+        self.embeddings = AbsoluteEmbeddings(spec.config, spec.position_offset, token_types=False)
         self.encoder = MPNetEncoder(spec.config)
 
     def forward(self, batch: FlatBatch) -> torch.Tensor:
