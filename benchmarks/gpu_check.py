@@ -154,7 +154,10 @@ def step_attention(device: str, dry_run: bool) -> list[dict[str, Any]]:
     dtype = torch.bfloat16
     lengths = [1, 17, 64, 33, 128, 5] if dry_run else [1, 32, 512, 300, 77, 512, 2048, 5] * 4
     heads, d = (4, 16) if dry_run else (28, 128)
-    cases = [("encoder", heads, False, None), ("decoder-gqa-causal", heads // 4 or 1, True, None)]
+    cases: list[tuple[str, int, bool, int | None]] = [
+        ("encoder", heads, False, None),
+        ("decoder-gqa-causal", heads // 4 or 1, True, None),
+    ]
     cases.append(("sliding-window-causal", heads // 4 or 1, True, 16 if dry_run else 256))
     batch = FlatBatch.from_lengths(torch.zeros(sum(lengths), dtype=torch.long), lengths).to(device)
     g = torch.Generator(device=device).manual_seed(0)
@@ -165,7 +168,8 @@ def step_attention(device: str, dry_run: bool) -> list[dict[str, Any]]:
         v = torch.randn(sum(lengths), kv, d, generator=g, device=device, dtype=dtype)
         scale = 1 / math.sqrt(d)
         ref = attention.varlen_attention_reference(q, k, v, batch.cu_seqlens, causal, scale, window).float()
-        outputs, row = {}, {"case": name, "chosen": attention.backend_name(device, dtype), "backends": {}}
+        outputs: dict[str, torch.Tensor] = {}
+        row: dict[str, Any] = {"case": name, "chosen": attention.backend_name(device, dtype), "backends": {}}
         for backend in attention_backends(device):
             fn = partial(
                 attention.varlen_attention_torch if backend == "sdpa" else attention.varlen_attention,

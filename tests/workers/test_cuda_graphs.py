@@ -136,27 +136,27 @@ def test_plan_captures_only_where_it_is_safe():
         assert off.steps == () and reason in (off.off or "")
 
 
-def test_replay_check_passes_a_faithful_replay_and_finds_a_wrong_one():
-    """graphs.replay_check (run by each worker after capture): every step replayed against the eager body;
-    a replay that returns other rows is found, with its step (a worker then serves eagerly)."""
+def test_a_replay_that_disagrees_leaves_the_worker_eager_and_says_why():
+    """graphs.capture_checked, as each worker runs it after capture: every step replayed against the eager
+    body; a faithful replay keeps the runner, one that returns other rows (a stale static output at one
+    step) gives none and a plan that is off, naming the step (a worker then serves eagerly, /info says so)."""
     torch.manual_seed(0)
     body = tiny_decoder().float().eval()
     randomize(body, seed=3)
     plan = graphs.GraphPlan((16, 48, 320), 8, None)
     cpu = torch.device("cpu")
-    good = graphs.replay_check(
-        graphs.GraphRunner(body, plan, MAX_LEN, cpu, graphs.eager), body, MAX_LEN, 97, cpu
-    )
-    assert good.steps_checked == 3 and good.min_cosine >= 0.999999
+    runner, kept, note = graphs.capture_checked(body, plan, MAX_LEN, 97, cpu, 0.999, graphs.eager)
+    assert runner is not None and kept == plan and "match the eager forward at 3 steps" in note
+    assert graphs.replay_check(runner, body, MAX_LEN, 97, cpu).min_cosine >= 0.999999
 
     def stale_at_320(fn, pool=None):  # a replay whose output is the first capture's, whatever was loaded
         first = fn().clone()
         return (lambda: first) if first.shape[0] == 320 else fn
 
-    bad = graphs.replay_check(
-        graphs.GraphRunner(body, plan, MAX_LEN, cpu, stale_at_320), body, MAX_LEN, 97, cpu
-    )
-    assert bad.step == 320 and bad.min_cosine < 0.9
+    runner, off, note = graphs.capture_checked(body, plan, MAX_LEN, 97, cpu, 0.999, stale_at_320)
+    assert runner is None and off.steps == () and off.info()["max_sequences"] == 0
+    assert off.off is not None and "replay disagreed" in off.off and "at step 320" in off.off
+    assert note.startswith("WARNING: CUDA graphs off") and off.off in note
 
 
 def test_check_batches_pad_every_step():

@@ -300,3 +300,33 @@ def replay_check(
             if low < worst:
                 worst, worst_step = low, step
     return ReplayCheck(round(worst, 6), worst_step, checked)
+
+
+def capture_checked(
+    body: torch.nn.Module,
+    graph_plan: GraphPlan,
+    max_len: int,
+    vocab_size: int,
+    device: torch.device,
+    min_cosine: float,
+    capture: Callable[..., Replay] = cuda_graph,
+) -> tuple[GraphRunner | None, GraphPlan, str]:
+    """(runner, plan, what to log): the plan's graphs captured, then every step replayed against the eager
+    body (replay_check). A replay below `min_cosine` gives no runner and a plan that is off and says why
+    (the worker serves eagerly); an error while capturing is raised to the caller."""
+    runner = GraphRunner(body, graph_plan, max_len, device, capture)
+    replay = replay_check(runner, body, max_len, vocab_size, device)
+    if replay.min_cosine < min_cosine:
+        off = (
+            f"replay disagreed with the eager forward: cosine {replay.min_cosine:.6f} at step "
+            f"{replay.step} (needs {min_cosine}); serving eagerly"
+        )
+        return None, GraphPlan((), 0, off), f"WARNING: CUDA graphs off, {off}"
+    return (
+        runner,
+        graph_plan,
+        (
+            f"CUDA graph replays match the eager forward at {replay.steps_checked} steps "
+            f"(cosine >= {replay.min_cosine:.6f})"
+        ),
+    )
