@@ -279,11 +279,13 @@ class ModelSettings(BaseSettings):
     fidelity_warn_only: bool = False
     """Serve anyway when the start-up fidelity check fails, with a warning in the log and in /info."""
 
-    cuda_graphs: bool = True
+    cuda_graphs: bool = False
     """On CUDA, capture one CUDA graph of the transformer body per token-count step up to 2,048 tokens at
-    start-up and replay it for short batches, so that they are not bound by kernel launches (only with
-    flash-attn, one rank, and families whose attention is capture-safe; /info says which steps, or why
-    none). ``--no-cuda-graphs``: every batch runs eagerly."""
+    start-up and replay it for short batches, so that they are not bound by kernel launches (only with a
+    varlen attention backend, torch-varlen or flash-attn, one rank, and families whose attention is
+    capture-safe). Every step's replay is checked against the eager forward and the fidelity check runs
+    through the replays; a replica whose replay disagrees serves eagerly. /info says which steps, or why
+    none. Off by default until benchmarks/gpu_check.sh has passed on a device."""
 
     @field_validator("fidelity_min_cosine")
     @classmethod

@@ -116,15 +116,19 @@ def split(tokens: int) -> list[int]:
 
 
 def test_plan_captures_only_where_it_is_safe():
+    assert (
+        graphs.plan(True, "cuda", "torch-varlen", "bert", 1, 4096).steps
+        == graphs.plan(True, "cuda", "flash-attn", "bert", 1, 4096).steps
+    )  # torch's own varlen kernel is capture-safe as flash-attn's is
     on = graphs.plan(True, "cuda", "flash-attn", "bert", 1, 16384)
     assert on.off is None and on.steps[0] == 16 and on.steps[-1] == graphs.GRAPH_MAX_TOKENS
     assert list(on.steps) == sorted({padded_tokens(t) for t in range(1, graphs.GRAPH_MAX_TOKENS + 1)})
     assert on.info() == {"steps": list(on.steps), "max_sequences": graphs.GRAPH_MAX_SEQUENCES, "off": None}
     assert graphs.plan(True, "cuda", "flash-attn", "decoder", 1, 512).steps[-1] == 512
     for args, reason in [
-        ((False, "cuda", "flash-attn", "bert", 1, 4096), "--no-cuda-graphs"),
+        ((False, "cuda", "torch-varlen", "bert", 1, 4096), "--cuda-graphs turns them on"),
         ((True, "cpu", "cpu-kernel", "bert", 1, 4096), "not CUDA"),
-        ((True, "cuda", "sdpa", "bert", 1, 4096), "flash-attn is needed"),
+        ((True, "cuda", "sdpa", "bert", 1, 4096), "torch-varlen or flash-attn is needed"),
         ((True, "cuda", "flash-attn", "mpnet", 1, 4096), "not capture-safe"),
         ((True, "cuda", "flash-attn", "bert", 2, 4096), "tensor parallelism"),
     ]:
@@ -132,10 +136,41 @@ def test_plan_captures_only_where_it_is_safe():
         assert off.steps == () and reason in (off.off or "")
 
 
+def test_a_replay_that_disagrees_leaves_the_worker_eager_and_says_why():
+    """graphs.capture_checked, as each worker runs it after capture: every step replayed against the eager
+    body; a faithful replay keeps the runner, one that returns other rows (a stale static output at one
+    step) gives none and a plan that is off, naming the step (a worker then serves eagerly, /info says so)."""
+    torch.manual_seed(0)
+    body = tiny_decoder().float().eval()
+    randomize(body, seed=3)
+    plan = graphs.GraphPlan((16, 48, 320), 8, None)
+    cpu = torch.device("cpu")
+    runner, kept, note = graphs.capture_checked(body, plan, MAX_LEN, 97, cpu, 0.999, graphs.eager)
+    assert runner is not None and kept == plan and "match the eager forward at 3 steps" in note
+    assert graphs.replay_check(runner, body, MAX_LEN, 97, cpu).min_cosine >= 0.999999
+
+    def stale_at_320(fn, pool=None):  # a replay whose output is the first capture's, whatever was loaded
+        first = fn().clone()
+        return (lambda: first) if first.shape[0] == 320 else fn
+
+    runner, off, note = graphs.capture_checked(body, plan, MAX_LEN, 97, cpu, 0.999, stale_at_320)
+    assert runner is None and off.steps == () and off.info()["max_sequences"] == 0
+    assert off.off is not None and "replay disagreed" in off.off and "at step 320" in off.off
+    assert note.startswith("WARNING: CUDA graphs off") and off.off in note
+
+
+def test_check_batches_pad_every_step():
+    for step in (16, 48, 256, 320, 2048):
+        batch = graphs.check_batch(step, graphs.GRAPH_MAX_SEQUENCES, MAX_LEN, 97)
+        assert batch is not None and padded_tokens(int(batch.cu_seqlens[-1])) == step
+        assert int(batch.cu_seqlens[-1]) < step and int(batch.cu_seqlens.diff().max()) <= MAX_LEN
+    assert graphs.check_batch(2048, 8, MAX_LEN, 97) is None  # more sequences than the slots
+
+
 def test_info_reports_the_choice():
-    """The flag reaches the workers, and /info says no graph runs and why."""
-    with ServerProcess("--dtype", "float32", "--data-parallel-size", "1", "--no-cuda-graphs") as server:
+    """Off by default: the setting reaches the workers, and /info says no graph runs and why."""
+    with ServerProcess("--dtype", "float32", "--data-parallel-size", "1") as server:
         info = httpx.get(server.url + "/info").json()
-        assert info["cuda_graphs"] == {"steps": [], "max_sequences": 0, "off": "--no-cuda-graphs"}
+        assert info["cuda_graphs"] == {"steps": [], "max_sequences": 0, "off": graphs.OFF_BY_SETTING}
         vectors = httpx.post(server.url + "/v1/embeddings", json={"input": ["a", "b c"]}).json()["data"]
         assert len(vectors) == 2

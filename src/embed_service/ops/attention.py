@@ -1,17 +1,29 @@
 """Variable-length attention over the flat token stream.
 
-flash-attn's varlen kernel on CUDA when it is installed; on a CPU the project's own compiled kernel
-(ops/csrc/varlen_attention.c: no padding, reads q/k/v through their strides) when it could be built; elsewhere
-the sequences are sorted into groups of similar length, and each group is copied into a padded (B, H, L, D)
-grid for torch's scaled_dot_product_attention and copied back (the only padding this module makes). ``varlen_attention_reference`` is the plain per-sequence twin the tests compare against.
+On CUDA in float16/bfloat16, one varlen kernel over the whole batch: torch's own
+``torch.nn.attention.varlen.varlen_attn`` (flash attention shipped with torch) where the installed torch has
+it with a ``window_size`` argument, flash-attn's ``flash_attn_varlen_func`` where that is installed and
+chosen, else SDPA. On a CPU the project's own compiled kernel (ops/csrc/varlen_attention.c: no padding,
+reads q/k/v through their strides) when it could be built. Elsewhere the sequences are sorted into groups
+of similar length, and each group is copied into a padded (B, H, L, D) grid for torch's
+scaled_dot_product_attention and copied back (the only padding this module makes).
+``varlen_attention_reference`` is the plain per-sequence twin the tests compare against.
 
 ``window`` restricts each query to keys at most that many positions away (sliding-window attention, as in
 ModernBERT's local layers and Mistral); with ``causal`` only the keys behind the query count.
+
+``EMBED_ATTENTION`` picks the CUDA kernel: ``auto`` (the default: torch-varlen, else flash-attn, else
+sdpa), ``torch-varlen``, ``flash-attn`` or ``sdpa``; one that is not available falls to the next in that
+order.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,21 +38,100 @@ except Exception:  # ImportError, or a build that does not match this torch
     flash_attn_varlen_func = None
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
+# Backends that take the whole flat batch in one launch with no host read of cu_seqlens: what a CUDA graph
+# can capture (workers/graphs.py).
+VARLEN_BACKENDS = ("torch-varlen", "flash-attn")
+CUDA_BACKENDS = (*VARLEN_BACKENDS, "sdpa")
 
 
-def backend_name(device_type: str, dtype: torch.dtype, flash_available: bool | None = None) -> str:
+def torch_varlen(module: Any = None) -> tuple[Callable[..., torch.Tensor], frozenset[str]] | None:
+    """torch's varlen_attn and the keyword arguments it takes, or None where it cannot serve here.
+
+    Read from the function's signature, not torch's version: 2.10's takes ``is_causal`` and has no window,
+    so it cannot serve the sliding-window families and is not used; from 2.11 ``window_size`` ((-1, 0) is
+    causal) and later ``enable_gqa``. Without ``enable_gqa`` key/value heads still go in as they are: the
+    flash kernel under it groups query heads over them itself (2.11 checks no head counts).
+    """
+    if module is None:
+        try:
+            from torch.nn.attention import varlen as module
+        except Exception:  # torch < 2.10
+            return None
+    fn = getattr(module, "varlen_attn", None)
+    if fn is None:
+        return None
+    try:
+        params = frozenset(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    if not {"window_size", "scale"} <= params:
+        return None
+    return fn, params
+
+
+_TORCH_VARLEN = torch_varlen()
+
+
+def backend_name(
+    device_type: str,
+    dtype: torch.dtype,
+    flash_available: bool | None = None,
+    torch_varlen_available: bool | None = None,
+    wanted: str | None = None,
+) -> str:
     """The attention kernel a worker on this device and dtype runs, as /info reports it.
 
     The one decision varlen_attention follows per call (a float32 call on CUDA, such as the fidelity
-    check's reference pass, takes SDPA): flash-attn's varlen kernel on CUDA in float16/bfloat16 when it
-    imports; on a CPU the project's compiled kernel when it builds; else torch's SDPA over length groups.
+    check's reference pass, takes SDPA). On CUDA in float16/bfloat16: `wanted` (EMBED_ATTENTION, default
+    auto) when it is available, else torch-varlen, flash-attn, sdpa in that order. On a CPU the project's
+    compiled kernel when it builds; else SDPA.
     """
     flash = flash_attn_varlen_func is not None if flash_available is None else flash_available
-    if device_type == "cuda" and flash and dtype in FLASH_DTYPES:
-        return "flash-attn"
+    native = _TORCH_VARLEN is not None if torch_varlen_available is None else torch_varlen_available
+    wanted = wanted_backend() if wanted is None else wanted
+    if device_type == "cuda" and dtype in FLASH_DTYPES:
+        available = {"torch-varlen": native, "flash-attn": flash, "sdpa": True}
+        order = [wanted] if wanted != "auto" else []
+        return next(b for b in [*order, *CUDA_BACKENDS] if available[b])
     if device_type == "cpu" and attention_kernel() is not None:
         return "cpu-kernel"
     return "sdpa"
+
+
+def wanted_backend() -> str:
+    """EMBED_ATTENTION: auto, torch-varlen, flash-attn or sdpa."""
+    mode = os.environ.get("EMBED_ATTENTION", "auto").strip().lower() or "auto"
+    if mode not in ("auto", *CUDA_BACKENDS):
+        raise ValueError(f"EMBED_ATTENTION={mode!r}: expected auto, {', '.join(CUDA_BACKENDS)}")
+    return mode
+
+
+def window_size(causal: bool, window: int | None) -> tuple[int, int]:
+    """(left, right) keys around the query, as both varlen kernels take it: (w, 0) when causal (no key
+    ahead of the query), (w, w) for a bidirectional local layer, (-1, 0) causal, (-1, -1) no limit."""
+    if window is None:
+        return (-1, 0) if causal else (-1, -1)
+    return (window, 0 if causal else window)
+
+
+def torch_varlen_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    batch: FlatBatch,
+    causal: bool,
+    scale: float,
+    window: int | None,
+    params: frozenset[str],
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """varlen_attn's arguments past q, k, v: (cu_seq_q, cu_seq_k, max_q, max_k) and the keywords that
+    `params` (its signature) takes. cu_seqlens go in as int32, the max lengths as Python ints (a CUDA
+    graph replays them fixed); causality and the window as one window_size tuple; GQA by enable_gqa
+    where the function has it, the key/value heads as they are either way."""
+    cu = batch.cu_seqlens if batch.cu_seqlens.dtype == torch.int32 else batch.cu_seqlens.to(torch.int32)
+    kwargs: dict[str, Any] = {"scale": scale, "window_size": window_size(causal, window)}
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = q.shape[1] != k.shape[1]
+    return (cu, cu, int(batch.max_seqlen), int(batch.max_seqlen)), kwargs
 
 
 def flash_varlen_kwargs(
@@ -59,7 +150,7 @@ def flash_varlen_kwargs(
         "max_seqlen_k": batch.max_seqlen,
         "softmax_scale": scale,
         "causal": causal,
-        "window_size": (-1, -1) if window is None else (window, 0 if causal else window),
+        "window_size": (-1, -1) if window is None else window_size(causal, window),
     }
 
 
@@ -71,20 +162,39 @@ def varlen_attention(
     causal: bool,
     scale: float | None = None,
     window: int | None = None,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """q: (T, Hq, D), k/v: (T, Hkv, D) with Hq a multiple of Hkv -> (T, Hq, D).
 
     window: keys farther than this from the query (|i - j| > window) are masked; None for no limit.
+    backend: a CUDA kernel by name (CUDA_BACKENDS; benchmarks compare them); None: this process's choice.
     """
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if window is not None and window >= batch.max_seqlen - 1:
         window = None  # the window covers every sequence of this batch
-    if flash_attn_varlen_func is not None and q.is_cuda and q.dtype in FLASH_DTYPES:
-        return flash_attn_varlen_func(q, k, v, **flash_varlen_kwargs(batch, causal, scale, window))
+    if q.is_cuda and q.dtype in FLASH_DTYPES:
+        chosen = backend or _cuda_backend()
+        if chosen == "torch-varlen" and _TORCH_VARLEN is not None:
+            fn, params = _TORCH_VARLEN
+            args, kwargs = torch_varlen_args(q, k, batch, causal, scale, window, params)
+            return fn(q, k, v, *args, **kwargs)
+        if chosen == "flash-attn" and flash_attn_varlen_func is not None:
+            return flash_attn_varlen_func(q, k, v, **flash_varlen_kwargs(batch, causal, scale, window))
     kernel = attention_kernel() if q.device.type == "cpu" else None
     if kernel is not None and kernel.supports(q, k, v):
         return kernel(q, k, v, batch.cu_seqlens, batch.max_seqlen, causal, scale, window)
     return varlen_attention_torch(q, k, v, batch, causal, scale, window)
+
+
+_CUDA_CHOICE: str | None = None
+
+
+def _cuda_backend() -> str:
+    """This process's CUDA choice (backend_name), decided at the first call."""
+    global _CUDA_CHOICE
+    if _CUDA_CHOICE is None:
+        _CUDA_CHOICE = backend_name("cuda", torch.bfloat16)
+    return _CUDA_CHOICE
 
 
 def varlen_attention_torch(

@@ -90,8 +90,10 @@ def measure(
     max_len: int,
     threshold: float,
     fast_is_reference: bool,
+    reference_run: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
 ) -> FidelityResult:
-    """`run(ids, lengths)` -> (B, D) dense vectors from `model`, as served."""
+    """`run(ids, lengths)` -> (B, D) dense vectors from `model`, as served; `reference_run` the same
+    eagerly, where `run` replays CUDA graphs (a replay would not follow the swapped parameters)."""
     ids, lengths = check_inputs(vocab_size, max_len)
     if threshold <= 0:
         return FidelityResult(None, threshold, 0, "--fidelity-min-cosine 0")
@@ -100,7 +102,7 @@ def measure(
     fast = run(ids, lengths)
     try:
         with float32_parameters(model), fused.reference_only():
-            reference = run(ids, lengths)
+            reference = (reference_run or run)(ids, lengths)
     except torch.OutOfMemoryError:
         return FidelityResult(None, threshold, 0, "no memory for a float32 copy of the weights")
     worst = float(np.nan_to_num(cosines(fast, reference), nan=-1.0).min())

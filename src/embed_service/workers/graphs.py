@@ -13,12 +13,15 @@ sizes its grid by; zero-length sequences do no work. The output heads (pooling, 
 copy to the host, so they run after the replay, eagerly, on the real rows of the static output (T, H).
 
 Only the transformer body of a family whose attention is ops/attention.varlen_attention is captured, and
-only with the flash-attn backend: the SDPA fallback groups sequences by length on the host
+only with a one-launch varlen backend (torch-varlen or flash-attn): the SDPA fallback groups sequences by length on the host
 (FlatBatch.length_groups, a device sync and shapes that change per batch), and scored attention (MPNet's
 relative bias, Gemma's soft-capping) builds per-batch tensors. Tensor parallelism (world size > 1) runs
 eagerly too. Everything else (a batch over the largest step, more sequences than the slots) runs eagerly.
 
 `capture` is the one CUDA-only part: tests pass `eager` instead and run the same layout on a CPU.
+
+After capture, `replay_check` replays every step on a batch that runs at it and compares the real tokens'
+hidden states with the eager body's; a worker whose replay disagrees serves eagerly (workers/worker.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 
 import torch
 
+from embed_service.ops.attention import VARLEN_BACKENDS
 from embed_service.ops.batch import FlatBatch, padded_tokens
 
 # Steps up to this many tokens get a graph: past ~2k tokens a forward is long enough that launches are a
@@ -41,6 +45,10 @@ GRAPH_MAX_SEQUENCES = 64
 CAPTURE_SAFE_FAMILIES = frozenset({"bert", "distilbert", "modernbert", "decoder"})
 # The longest padding sequence (positions 0 .. PAD_LEN - 1 stay inside every position table).
 PAD_LEN = 64
+
+
+# The reason /info gives while the setting is off (its default until a device run has passed).
+OFF_BY_SETTING = "off (--cuda-graphs turns them on)"
 
 
 def graph_steps(max_tokens: int) -> list[int]:
@@ -71,14 +79,14 @@ def plan(
 ) -> GraphPlan:
     """Which steps get a graph, or why none does."""
     off = (
-        "--no-cuda-graphs"
+        OFF_BY_SETTING
         if not enabled
         else f"the device is a {device_type}, not CUDA"
         if device_type != "cuda"
         else f"the {family_module} family's attention is not capture-safe"
         if family_module not in CAPTURE_SAFE_FAMILIES
-        else f"attention backend {attention_backend} syncs with the host (flash-attn is needed)"
-        if attention_backend != "flash-attn"
+        else f"attention backend {attention_backend} syncs with the host (torch-varlen or flash-attn is needed)"
+        if attention_backend not in VARLEN_BACKENDS
         else "tensor parallelism (graphs run on one rank only)"
         if world_size > 1
         else None
@@ -242,3 +250,83 @@ class GraphRunner:
             graph = self.graphs[padded_tokens(int(batch.cu_seqlens[-1]))]
             tokens, seqs = hidden.shape[0], batch.num_seqs
             return model.heads(hidden, graph.ids[:tokens].clone(), graph.cu[: seqs + 1].clone(), requests)
+
+
+def check_batch(step: int, slots: int, max_len: int, vocab_size: int, seed: int = 0) -> FlatBatch | None:
+    """A batch that runs at `step` with padding to fill (half its grain short of the step), cut into the
+    fewest sequences of at most `max_len`; None when that takes more sequences than the graph's slots."""
+    tokens = max(1, step - (_grain(step) - 1) // 2)
+    count = -(-tokens // max_len)
+    if count > slots:
+        return None
+    lengths = [tokens // count + (i < tokens % count) for i in range(count)]
+    ids = torch.randint(
+        min(1000, vocab_size // 4),
+        vocab_size,
+        (tokens,),
+        generator=torch.Generator().manual_seed(seed + step),
+    )
+    return FlatBatch.from_lengths(ids, lengths)
+
+
+@dataclass(frozen=True)
+class ReplayCheck:
+    """The lowest cosine between replayed and eager hidden states over the steps checked, and its step."""
+
+    min_cosine: float
+    step: int | None
+    steps_checked: int
+
+
+def replay_check(
+    runner: GraphRunner, body: torch.nn.Module, max_len: int, vocab_size: int, device: torch.device
+) -> ReplayCheck:
+    """Every step of `runner` replayed on check_batch(step) against the eager `body` on the same batch:
+    the real tokens' last hidden states, row by row (cosine in float64 on the host)."""
+    worst, worst_step, checked = 1.0, None, 0
+    with torch.inference_mode():
+        for step, graph in sorted(runner.graphs.items()):
+            batch = check_batch(step, graph.slots, max_len, vocab_size)
+            if batch is None:
+                continue
+            got = runner.hidden(batch)
+            want = body(batch.to(device))
+            if got is None:
+                continue
+            a, b = got.double().cpu(), want.double().cpu()
+            cos = (a * b).sum(1) / (a.norm(dim=1) * b.norm(dim=1)).clamp_min(1e-30)
+            low = float(torch.nan_to_num(cos, nan=-1.0).min())
+            checked += 1
+            if low < worst:
+                worst, worst_step = low, step
+    return ReplayCheck(round(worst, 6), worst_step, checked)
+
+
+def capture_checked(
+    body: torch.nn.Module,
+    graph_plan: GraphPlan,
+    max_len: int,
+    vocab_size: int,
+    device: torch.device,
+    min_cosine: float,
+    capture: Callable[..., Replay] = cuda_graph,
+) -> tuple[GraphRunner | None, GraphPlan, str]:
+    """(runner, plan, what to log): the plan's graphs captured, then every step replayed against the eager
+    body (replay_check). A replay below `min_cosine` gives no runner and a plan that is off and says why
+    (the worker serves eagerly); an error while capturing is raised to the caller."""
+    runner = GraphRunner(body, graph_plan, max_len, device, capture)
+    replay = replay_check(runner, body, max_len, vocab_size, device)
+    if replay.min_cosine < min_cosine:
+        off = (
+            f"replay disagreed with the eager forward: cosine {replay.min_cosine:.6f} at step "
+            f"{replay.step} (needs {min_cosine}); serving eagerly"
+        )
+        return None, GraphPlan((), 0, off), f"WARNING: CUDA graphs off, {off}"
+    return (
+        runner,
+        graph_plan,
+        (
+            f"CUDA graph replays match the eager forward at {replay.steps_checked} steps "
+            f"(cosine >= {replay.min_cosine:.6f})"
+        ),
+    )

@@ -40,7 +40,7 @@ class WorkerConfig:
     fidelity_min_cosine: float = 0.999  # --fidelity-min-cosine (workers/fidelity.py); 0: not checked
     fidelity_warn_only: bool = False  # --fidelity-warn-only
     devices: tuple[str, ...] = ()  # one per rank, from the resource plan (plan.py); empty: cuda:rank or cpu
-    cuda_graphs: bool = True  # --cuda-graphs (workers/graphs.py)
+    cuda_graphs: bool = False  # --cuda-graphs (workers/graphs.py)
 
 
 # An error after which the device cannot be trusted: a CUDA device-side assert or an illegal memory access
@@ -142,7 +142,7 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
     from embed_service.ops.batch import FlatBatch
     from embed_service.outputs import DENSE, OutputRequest
     from embed_service.parallel import set_tensor_parallel
-    from embed_service.workers import fidelity, graphs, null_model
+    from embed_service.workers import fidelity, null_model
     from embed_service.workers.device import DTYPES, cuda_dtype_for, rank_device
 
     torch.set_num_threads(cfg.num_threads)
@@ -185,12 +185,12 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
         model = Embedder(spec, DTYPES[dtype], device).eval()
     say(f"weights loaded in {time.perf_counter() - t0:.1f}s; warming up")
 
-    runner: Any = None  # workers/graphs.GraphRunner once captured (after the fidelity check)
+    runner: Any = None  # workers/graphs.GraphRunner once captured (before the warm-up and the check)
 
-    def run(ids, lengths, requests):
+    def run(ids, lengths, requests, replay=True):
         segments = [r.second_segment for r in requests]  # token types travel with the requests
         batch = FlatBatch.from_lengths(torch.from_numpy(ids), lengths.tolist(), segments)
-        out = runner.forward(model, batch, requests) if runner is not None else None
+        out = runner.forward(model, batch, requests) if runner is not None and replay else None
         return out if out is not None else model(batch.to(device), requests)
 
     def agree(failed: bool) -> bool:
@@ -226,52 +226,44 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
             ids[cut:], lengths[half:], requests[half:]
         )
 
+    ids, lengths = warmup_shape(spec.max_input_length, cfg.max_batch_tokens, cfg.device)
+    # The graphs first: their memory pool exists before the warm-up's largest batch shows whether the
+    # budget fits beside it, and the fidelity check below runs through the replays that will serve.
+    runner, graph_plan = _capture(model, spec, cfg, device, attention_backend, int(ids.size), say)
+
     everything = [OutputRequest(spec.outputs)]  # warm every head the model has
     t1 = time.perf_counter()
-    ids, lengths = warmup_shape(spec.max_input_length, cfg.max_batch_tokens, cfg.device)
     run(ids, lengths, everything * len(lengths))  # the largest batch serving forms: an OOM shows now
     longest_s = time.perf_counter() - t1  # first use included: an upper bound for the shape
     run(np.ones(32, dtype=np.int32), np.array([16, 16], dtype=np.int32), everything * 2)
     say(f"warm-up done in {time.perf_counter() - t1:.1f}s ({int(ids.size)} tokens)")
 
     dense = OutputRequest(frozenset({DENSE}))
+
+    def vectors(replay: bool):
+        return lambda i, n: np.stack([o.dense for o in run(i, n, [dense] * len(n), replay)])
+
     check = fidelity.measure(
         model,
-        lambda i, n: np.stack([o.dense for o in run(i, n, [dense] * len(n))]),
+        vectors(True),
         int(spec.config.get("vocab_size") or 1000),
         spec.max_input_length,
         cfg.fidelity_min_cosine if DENSE in spec.outputs and not null_model.wanted() else 0.0,
-        fast_is_reference=dtype == "float32" and kernels.startswith("torch"),
+        fast_is_reference=dtype == "float32" and kernels.startswith("torch") and runner is None,
+        reference_run=vectors(False),  # the float32 pass swaps the parameters: a replay would not follow
     )
     if not check.passed:
         reason = (
             f"fidelity check failed: the served vectors of {check.inputs} fixed inputs reach a cosine of "
             f"only {check.min_cosine:.6f} to a float32 reference pass of the same weights (needs "
             f"{check.threshold}; dtype {dtype}, kernels {kernels}, attention {attention_backend}, "
-            f"{cfg.world_size} rank(s))"
+            f"{cfg.world_size} rank(s), CUDA graphs {'on' if runner is not None else 'off'})"
         )
         if not cfg.fidelity_warn_only:
             raise fidelity.FidelityError(reason + "; --fidelity-warn-only serves anyway")
         say("WARNING: " + reason + "; serving anyway (--fidelity-warn-only)")
     elif check.min_cosine is not None:
         say(f"fidelity check: cosine {check.min_cosine:.6f} to the float32 reference (>= {check.threshold})")
-    # After the fidelity check: its reference pass swaps the parameters' tensors, which a graph would
-    # not follow.
-    graph_plan = graphs.plan(
-        cfg.cuda_graphs, device.type, attention_backend, spec.family.module, cfg.world_size, int(ids.size)
-    )
-    if null_model.wanted():
-        graph_plan = graphs.GraphPlan((), 0, "no model (the null model)")
-    if graph_plan.steps:
-        t2 = time.perf_counter()
-        try:
-            runner = graphs.GraphRunner(model.model, graph_plan, spec.max_input_length, device)
-            say(f"captured {len(graph_plan.steps)} CUDA graphs in {time.perf_counter() - t2:.1f}s")
-        except Exception as exc:
-            if is_fatal(exc):
-                raise
-            graph_plan = graphs.GraphPlan((), 0, f"capture failed: {type(exc).__name__}: {exc}")
-            say(f"WARNING: CUDA graphs off, {graph_plan.off}")
     conn.send(
         (
             "ready",
@@ -311,6 +303,36 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
             continue
         if rank == 0:
             conn.send(("ok", out))
+
+
+def _capture(model: Any, spec: Any, cfg: WorkerConfig, device: Any, backend: str, batch_tokens: int, say):
+    """(GraphRunner or None, GraphPlan): the plan's graphs captured, then every step replayed against the
+    eager body (graphs.replay_check). A failed capture or a replay below --fidelity-min-cosine (0.999 when
+    the check is off) leaves the worker eager, with the reason in the plan (/info) and the log."""
+    from embed_service.workers import graphs, null_model
+
+    graph_plan = graphs.plan(
+        cfg.cuda_graphs, device.type, backend, spec.family.module, cfg.world_size, batch_tokens
+    )
+    if null_model.wanted():
+        graph_plan = graphs.GraphPlan((), 0, "no model (the null model)")
+    if not graph_plan.steps:
+        return None, graph_plan
+    t0, steps = time.perf_counter(), len(graph_plan.steps)
+    vocab = int(spec.config.get("vocab_size") or 1000)
+    need = cfg.fidelity_min_cosine or 0.999
+    try:
+        runner, graph_plan, note = graphs.capture_checked(
+            model.model, graph_plan, spec.max_input_length, vocab, device, need
+        )
+    except Exception as exc:
+        if is_fatal(exc):
+            raise
+        off = f"capture failed: {type(exc).__name__}: {exc}"
+        say(f"WARNING: CUDA graphs off, {off}")
+        return None, graphs.GraphPlan((), 0, off)
+    say(f"{note} ({steps} CUDA graphs captured and replayed in {time.perf_counter() - t0:.1f}s)")
+    return runner, graph_plan
 
 
 # Seconds the ranks wait for each other to agree on a batch's outcome (see agree() in _serve).
