@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?=
 ARGS ?=
 
-.PHONY: serve test lint typecheck unit bench clean
+.PHONY: serve test lint typecheck unit bench clean image-test
 
 # One install script for make and the Dockerfile: the image is built with the steps tested here.
 INSTALL := PYTHON="$(PYTHON)" TORCH_SPEC="$(TORCH_SPEC)" EDITABLE=1 scripts/install.sh $(VENV)
@@ -29,7 +29,7 @@ serve: $(VENV)/.installed
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check src tests benchmarks scripts kernels
 	$(BIN)/ruff format --check src tests benchmarks scripts kernels
-	$(BIN)/shellcheck scripts/install.sh .ci/run benchmarks/gpu_check.sh
+	$(BIN)/shellcheck scripts/install.sh scripts/image_test.sh .ci/run benchmarks/gpu_check.sh
 
 typecheck: $(VENV)/.installed-dev
 	$(BIN)/mypy src/embed_service/api src/embed_service/engine src/embed_service/batching src/embed_service/config.py src/embed_service/observability.py
@@ -43,6 +43,11 @@ test: lint typecheck unit
 bench: $(VENV)/.installed-dev
 	$(BIN)/python benchmarks/compare.py --update-docs $(BENCH_ARGS)
 	$(BIN)/python benchmarks/plot.py
+
+# The CPU image, built and run as docs/deployment.md documents (needs a Docker engine; not part of `make test`):
+# size, read-only run, /health, the kernel, an embedding against this venv, `docker stop`, the layer cache.
+image-test: $(VENV)/.installed
+	PYTHON=$(abspath $(BIN))/python scripts/image_test.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
