@@ -4,15 +4,18 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# Empty: scripts/install.sh picks the CPU wheel (a plain `torch` could pull a multi-GB CUDA build).
-# GPU installs: see docs/install.md.
+# Empty: scripts/install.sh's torch==2.13.0, and its choice of source: without a GPU the CPU build (a
+# configured wheelhouse, else PyTorch's CPU index; PyPI's Linux wheel is the CUDA build, ~4 GB with its
+# nvidia-* wheels). TORCH_INDEX_URL=none: pip's own configuration. GPU installs: see docs/install.md.
 TORCH_SPEC ?=
+TORCH_INDEX_URL ?=
 ARGS ?=
 
 .PHONY: serve test lint typecheck unit bench clean image-test
 
 # One install script for make and the Dockerfile: the image is built with the steps tested here.
-INSTALL := PYTHON="$(PYTHON)" TORCH_SPEC="$(TORCH_SPEC)" EDITABLE=1 scripts/install.sh $(VENV)
+INSTALL := PYTHON="$(PYTHON)" TORCH_SPEC="$(TORCH_SPEC)" TORCH_INDEX_URL="$(TORCH_INDEX_URL)" EDITABLE=1 \
+	scripts/install.sh $(VENV)
 
 $(VENV)/.installed: pyproject.toml scripts/install.sh
 	@echo "First run: installing torch, embed-service and the default model into $(VENV) (a minute or two)."

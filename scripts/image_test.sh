@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # shellcheck disable=SC2329 # cleanup and the conditions are invoked through trap and check
 # make image-test: build the CPU image and check it as docs/deployment.md runs it. Needs a Docker engine:
-# with ENGINE (default ../shared/docker/engine.sh, when it exists) it is started here, the stand-in base
+# with ENGINE (default ../shared/docker/engine.sh beside the checkout, when it exists) it is started here, the stand-in base
 # made, and the engine stopped again at the end if this script started it; otherwise DOCKER_HOST's engine.
 #
 # Each check prints one line "image-test: ok|FAIL <what>: <figure>"; the exit status is the number of
@@ -17,7 +17,11 @@
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-ENGINE=${ENGINE:-$ROOT/../shared/docker/engine.sh}
+# ../shared beside the checkout; in a git worktree, beside the main checkout.
+MAIN=$(cd "$(git -C "$ROOT" rev-parse --path-format=absolute --git-common-dir)/.." && pwd)
+for ENGINE in "${ENGINE:-}" "$ROOT/../shared/docker/engine.sh" "$MAIN/../shared/docker/engine.sh"; do
+  [ -x "$ENGINE" ] && break
+done
 DOCKER=${DOCKER:-/usr/bin/docker}
 IMAGE=${IMAGE:-embed-service:image-test}
 PORT=${PORT:-18000}
