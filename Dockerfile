@@ -75,7 +75,7 @@ FROM python:${PYTHON_VERSION}-slim-${DEBIAN} AS cpu
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends libgomp1 \
-    && rm -rf /var/lib/apt/lists/* \
+    && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin \
     && useradd --uid 10001 --user-group --create-home --home-dir /home/embed --shell /usr/sbin/nologin embed \
     && install -d -o embed -g embed /var/cache/embed-service /home/embed/.cache
 COPY --from=cpu-deps /opt/venv /opt/venv
