@@ -4,15 +4,18 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# Empty: scripts/install.sh picks the CPU wheel (a plain `torch` could pull a multi-GB CUDA build).
-# GPU installs: see docs/install.md.
+# Empty: scripts/install.sh's torch==2.13.0, and its choice of source: without a GPU the CPU build (a
+# configured wheelhouse, else PyTorch's CPU index; PyPI's Linux wheel is the CUDA build, ~4 GB with its
+# nvidia-* wheels). TORCH_INDEX_URL=none: pip's own configuration. GPU installs: see docs/install.md.
 TORCH_SPEC ?=
+TORCH_INDEX_URL ?=
 ARGS ?=
 
-.PHONY: serve test lint typecheck unit bench clean
+.PHONY: serve test lint typecheck unit bench clean image-test
 
 # One install script for make and the Dockerfile: the image is built with the steps tested here.
-INSTALL := PYTHON="$(PYTHON)" TORCH_SPEC="$(TORCH_SPEC)" EDITABLE=1 scripts/install.sh $(VENV)
+INSTALL := PYTHON="$(PYTHON)" TORCH_SPEC="$(TORCH_SPEC)" TORCH_INDEX_URL="$(TORCH_INDEX_URL)" EDITABLE=1 \
+	scripts/install.sh $(VENV)
 
 $(VENV)/.installed: pyproject.toml scripts/install.sh
 	@echo "First run: installing torch, embed-service and the default model into $(VENV) (a minute or two)."
@@ -29,7 +32,7 @@ serve: $(VENV)/.installed
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check src tests benchmarks scripts kernels
 	$(BIN)/ruff format --check src tests benchmarks scripts kernels
-	$(BIN)/shellcheck scripts/install.sh .ci/run benchmarks/gpu_check.sh
+	$(BIN)/shellcheck scripts/install.sh scripts/image_test.sh .ci/run benchmarks/gpu_check.sh
 
 typecheck: $(VENV)/.installed-dev
 	$(BIN)/mypy src/embed_service/api src/embed_service/engine src/embed_service/batching src/embed_service/config.py src/embed_service/observability.py
@@ -43,6 +46,11 @@ test: lint typecheck unit
 bench: $(VENV)/.installed-dev
 	$(BIN)/python benchmarks/compare.py --update-docs $(BENCH_ARGS)
 	$(BIN)/python benchmarks/plot.py
+
+# The CPU image, built and run as docs/deployment.md documents (needs a Docker engine; not part of `make test`):
+# size, read-only run, /health, the kernel, an embedding against this venv, `docker stop`, the layer cache.
+image-test: $(VENV)/.installed
+	PYTHON=$(abspath $(BIN))/python scripts/image_test.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -48,6 +48,22 @@ def test_documented_metrics_with_model_label(exact_server):
     assert float(got["embed_input_tokens_total"][0].split()[-1]) >= tokens
 
 
+def requests_counted(url: str) -> float:
+    return sum(float(line.split()[-1]) for line in samples(url).get("embed_requests_total", []))
+
+
+def test_probes_and_scrapes_are_not_counted_as_requests(exact_server):
+    """EmbedServiceHighErrorRate divides 5xx by embed_requests_total: the 503s /health answers while a
+    model loads or the server drains, and every probe and scrape, would otherwise count as traffic."""
+    url = exact_server.url
+    before = requests_counted(url)  # this scrape itself included
+    for path in ("/health", "/live", "/metrics", "/health", "/live", "/metrics"):
+        assert httpx.get(url + path).status_code == 200
+    assert requests_counted(url) == before
+    httpx.post(url + "/v1/embeddings", json={"input": "counted"})
+    assert requests_counted(url) == before + 1
+
+
 @pytest.mark.skipif(
     shutil.which("prometheus") is None,
     reason="needs the prometheus binary (Debian package 'prometheus'; .ci/run installs it)",

@@ -31,7 +31,8 @@ errors_log = logging.getLogger(__name__)
 REQUEST_ID_HEADER = b"x-request-id"
 SAFE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:+/=-]{1,128}")
 # Probes and scrapes come every few seconds and say nothing the server does not log otherwise (loading,
-# draining and failures have lines of their own): their lines are debug level.
+# draining and failures have lines of their own): their lines are debug level, and they are not counted in
+# embed_requests_total, whose 5xx share is an alert (the 503s of /health while loading are no error).
 QUIET_PATHS = frozenset({"/health", "/live", "/metrics"})
 # The routes whose durations embed_request_duration_seconds records.
 TIMED_PATHS = frozenset(
@@ -128,6 +129,8 @@ class AccessLogMiddleware:
             access_line(scope, status or 500, seconds, state, span)
 
     def _count(self, scope: Scope, status: int, seconds: float, state: dict) -> None:
+        if scope["path"] in QUIET_PATHS:
+            return
         model = state.get("model", self.default_model)
         counter = self._responses.get((model, status))
         if counter is None:

@@ -1,17 +1,30 @@
-"""The project's compiled CPU kernels: built once per machine with the system C compiler, loaded with ctypes.
+"""The project's compiled CPU kernels, loaded with ctypes: prebuilt per x86-64 level, or built on the machine.
 
-Optional by design. Where no compiler is found, the build fails, or ``EMBED_CPU_KERNELS=0`` is set,
-``attention_kernel()`` returns None and callers use torch's own kernels; the results are the same to
-float32 rounding. The shared library lands in ``$EMBED_KERNEL_CACHE`` (default
-``~/.cache/embed-service/kernels``), named by a hash of the source, the flags and the CPU, so a changed
-source or another machine builds afresh; concurrent builders (one per worker) serialize on a file lock.
+Optional by design. Where neither a prebuilt kernel fits nor a compiler builds one, or with
+``EMBED_CPU_KERNELS=0``, ``attention_kernel()`` returns None and callers use torch's own kernels; the
+results are the same to float32 rounding.
+
+Prebuilt (the container image): ``python -m embed_service.ops.cpu_kernels prebuild`` compiles one library
+per instruction-set level (``VARIANTS``: x86-64-v3, x86-64-v4, x86-64-v4 with the AMX tiles) into
+``$EMBED_PREBUILT_KERNELS`` (default: ``prebuilt/`` beside this file) with a manifest of their digests, and
+at run time the best level the CPU's flags allow is loaded from there: no compiler and no writable,
+executable cache needed. x86-64-v4 runs as fast as ``-march=native`` on AVX-512 CPUs.
+
+Built on the machine (a checkout or a venv install, when no prebuilt one fits): with the system C compiler
+and ``-march=native``, into ``$EMBED_KERNEL_CACHE`` (default ``~/.cache/embed-service/kernels``), named by
+a hash of the source, the flags and the CPU, so a changed source or another machine builds afresh;
+concurrent builders (one per worker) serialize on a file lock. A cache on a filesystem mounted
+``noexec`` (Docker's ``--tmpfs`` is, unless given ``exec``) cannot load what it holds: that is said in one
+warning and nothing is built there.
 
 Whoever can write that directory chooses the code the workers run, so only what this code built is
 loaded: the directory is created 0700, and it and its files must belong to this user and be writable by
 no one else; the build records the library's sha256 beside it, and the library is loaded only through a
 descriptor whose contents match that digest. A library without a digest is rebuilt in place; anything
 else (a foreign or group/world-writable directory or file, a digest that does not match) is refused with
-one warning, and attention runs on torch's kernels.
+one warning, and attention runs on torch's kernels. The prebuilt libraries are trusted on the same terms,
+except that root may own them (an image's files are root's): not writable by group or others, and
+matching the digests of their manifest, which must name the digest of this very source.
 """
 
 from __future__ import annotations
@@ -19,12 +32,14 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import platform
 import shutil
 import stat
 import subprocess
+import sys
 import tempfile
 from functools import cache
 from pathlib import Path
@@ -35,6 +50,23 @@ log = logging.getLogger("embed_service.kernels")
 
 SOURCE = Path(__file__).parent / "csrc" / "varlen_attention.c"
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
+COMMON_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
+
+# /proc/cpuinfo's names for the x86-64 psABI levels (v3: AVX2, FMA, BMI, F16C, LZCNT, MOVBE, XSAVE).
+X86_64_V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")
+X86_64_V4 = (*X86_64_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+# The prebuilt set, best first: (name, compiler flags, CPU flags it needs). The AMX variant names its
+# extensions one by one, not -march=sapphirerapids, so that it uses nothing else a CPU with AMX may lack.
+VARIANTS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
+    (
+        "x86-64-v4-amx",
+        ("-march=x86-64-v4", "-mamx-tile", "-mamx-bf16", "-mavx512bf16", "-mprefer-vector-width=512"),
+        (*X86_64_V4, "amx_tile", "amx_bf16", "avx512_bf16"),
+    ),
+    ("x86-64-v4", ("-march=x86-64-v4", "-mprefer-vector-width=512"), X86_64_V4),
+    ("x86-64-v3", ("-march=x86-64-v3",), X86_64_V3),
+)
+MANIFEST = "manifest.json"
 
 
 def _cpu_identity() -> str:
@@ -44,6 +76,22 @@ def _cpu_identity() -> str:
     except OSError:
         lines = []
     return platform.machine() + "".join(lines)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def prebuilt_dir() -> Path:
+    env = os.environ.get("EMBED_PREBUILT_KERNELS")
+    return Path(env) if env else Path(__file__).parent / "prebuilt"
 
 
 def _cache_dir() -> Path:
@@ -57,9 +105,9 @@ class UntrustedCacheError(RuntimeError):
     """The kernel cache, or a file in it, could have been written by someone else: nothing is loaded."""
 
 
-def _check_private(st: os.stat_result, what: str) -> None:
-    """Owned by this user and writable by no one else, else UntrustedCacheError."""
-    if st.st_uid != os.getuid():
+def _check_private(st: os.stat_result, what: str, root_too: bool = False) -> None:
+    """Owned by this user (or root, with `root_too`) and writable by no one else, else UntrustedCacheError."""
+    if st.st_uid != os.getuid() and not (root_too and st.st_uid == 0):
         raise UntrustedCacheError(f"{what} is owned by uid {st.st_uid}, not this user ({os.getuid()})")
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise UntrustedCacheError(
@@ -115,6 +163,71 @@ def _open_verified(lib: Path) -> int | None:
     except BaseException:
         os.close(fd)
         raise
+
+
+def noexec_mount(path: Path) -> bool:
+    """Whether `path` (or, before it exists, its nearest existing parent) is on a filesystem mounted noexec:
+    a shared library there cannot be mapped ("failed to map segment from shared object")."""
+    for candidate in (path, *path.parents):
+        try:
+            return bool(os.statvfs(candidate).f_flag & os.ST_NOEXEC)
+        except FileNotFoundError:
+            continue
+    return False
+
+
+def source_digest() -> str:
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
+
+
+def prebuild(out_dir: Path, compiler: str) -> dict[str, dict[str, str]]:
+    """Compile every variant into `out_dir` and write the manifest (their digests and the source's)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest: dict[str, dict[str, str]] = {}
+    for name, flags, _needs in VARIANTS:
+        lib = out_dir / f"varlen_attention-{name}.so"
+        cmd = [compiler, *flags, *COMMON_FLAGS, str(SOURCE), "-o", str(lib), "-lm"]
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+        os.chmod(lib, 0o755)
+        with open(lib, "rb") as f:
+            manifest[name] = {"file": lib.name, "sha256": _sha256(f.fileno()), "flags": " ".join(flags)}
+    text = json.dumps({"source_sha256": source_digest(), "variants": manifest}, indent=1) + "\n"
+    (out_dir / MANIFEST).write_text(text)
+    return manifest
+
+
+def _prebuilt_fd() -> tuple[int, str, Path] | None:
+    """An open, verified descriptor on the best prebuilt variant this CPU runs, its name and path; None when there
+    is no prebuilt set (or none this CPU runs). UntrustedCacheError as for the cache."""
+    directory = prebuilt_dir()
+    try:
+        with open(directory / MANIFEST, opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as f:
+            _check_private(os.stat(directory), str(directory), root_too=True)
+            _check_private(os.fstat(f.fileno()), f"{directory / MANIFEST}", root_too=True)
+            manifest = json.load(f)
+    except FileNotFoundError:
+        return None
+    if manifest.get("source_sha256") != source_digest():
+        raise UntrustedCacheError(f"the prebuilt kernels in {directory} were built from another source")
+    flags = _cpu_flags()
+    for name, _flags, needs in VARIANTS:
+        entry = manifest["variants"].get(name)
+        if entry is None or not set(needs) <= flags:
+            continue
+        lib = directory / Path(entry["file"]).name
+        fd = os.open(lib, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise UntrustedCacheError(f"{lib} is not a regular file")
+            _check_private(st, str(lib), root_too=True)
+            if _sha256(fd) != entry["sha256"]:
+                raise UntrustedCacheError(f"{lib} does not match the digest in {MANIFEST}")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, name, lib
+    return None
 
 
 def _build(compiler: str, lib: Path) -> None:
@@ -241,24 +354,57 @@ def find_compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+def _load(fd: int, lib: Path) -> AttentionKernel:
+    try:
+        # Through /proc (Linux), the very file that was verified; elsewhere by its name, in a directory
+        # no one else can write. dlopen keeps its own mapping, so the descriptor can close after.
+        proc = Path(f"/proc/self/fd/{fd}")
+        return AttentionKernel(proc if proc.exists() else lib)
+    finally:
+        os.close(fd)
+
+
+def _prebuilt_kernel() -> AttentionKernel | None:
+    try:
+        found = _prebuilt_fd()
+        if found is None:
+            return None
+        fd, name, lib = found
+        kernel = _load(fd, lib)
+    except Exception as exc:  # refused, or a loader error: the machine's own build may still do
+        log.warning("prebuilt CPU attention kernel not loaded: %s", exc)
+        return None
+    log.info("CPU attention kernel: prebuilt %s (%s)", name, prebuilt_dir())
+    return kernel
+
+
 @cache
 def attention_kernel() -> AttentionKernel | None:
-    """The compiled kernel, or None (logged once) where it cannot be had."""
+    """The compiled kernel, or None (logged once) where it cannot be had: prebuilt for this CPU's level
+    when there is a prebuilt set, else built here."""
     if os.environ.get("EMBED_CPU_KERNELS", "1") == "0":
         return None
+    prebuilt = _prebuilt_kernel()
+    if prebuilt is not None:
+        return prebuilt
     compiler = find_compiler()
     if compiler is None:
-        log.info("no C compiler found: attention runs on torch's kernels")
+        log.info("no C compiler found and no prebuilt kernel for this CPU: attention runs on torch's kernels")
+        return None
+    if noexec_mount(_cache_dir()):
+        log.warning(
+            "CPU attention kernel not built: the kernel cache %s is on a filesystem mounted noexec, where no "
+            "library can be loaded; mount it with exec (docker run --tmpfs %s:exec,...) or point "
+            "EMBED_KERNEL_CACHE elsewhere; using torch's kernels",
+            _cache_dir(),
+            _cache_dir().parent,
+        )
         return None
     try:
         fd, lib = _kernel_fd(compiler)
-        try:
-            # Through /proc (Linux), the very file that was verified; elsewhere by its name, in a directory
-            # no one else can write. dlopen keeps its own mapping, so the descriptor can close after.
-            proc = Path(f"/proc/self/fd/{fd}")
-            return AttentionKernel(proc if proc.exists() else lib)
-        finally:
-            os.close(fd)
+        kernel = _load(fd, lib)
+        log.info("CPU attention kernel: built for this CPU (-march=native) in %s", lib.parent)
+        return kernel
     except UntrustedCacheError as exc:
         log.warning("CPU attention kernel not loaded: %s; using torch's kernels", exc)
     except subprocess.CalledProcessError as exc:
@@ -266,3 +412,22 @@ def attention_kernel() -> AttentionKernel | None:
     except Exception as exc:  # no cache dir, a loader error: never fatal
         log.warning("CPU attention kernel unavailable (%s); using torch's kernels", exc)
     return None
+
+
+def main(argv: list[str]) -> int:
+    """``python -m embed_service.ops.cpu_kernels prebuild [DIR]``: the image build's step."""
+    if len(argv) not in (1, 2) or argv[0] != "prebuild":
+        print("usage: python -m embed_service.ops.cpu_kernels prebuild [DIR]", file=sys.stderr)
+        return 2
+    compiler = find_compiler()
+    if compiler is None:
+        print("no C compiler (cc, gcc or $CC)", file=sys.stderr)
+        return 1
+    out_dir = Path(argv[1]) if len(argv) == 2 else prebuilt_dir()
+    for name, entry in prebuild(out_dir, compiler).items():
+        print(f"{out_dir / entry['file']}  {name}  {entry['flags']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
