@@ -28,9 +28,12 @@ DEFAULT_OVERLAP = 16
 MAX_CHUNKS = 8
 
 
+MAX_INPUTS = 16  # --max-client-batch-size: a request's windows may make MAX_INPUTS * MAX_LENGTH tokens
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    """Chunking on by default, with an overlap, and a low window limit to test the refusal."""
+    """Chunking on by default, with an overlap, and low window and request limits to test the refusals."""
     with ServerProcess(
         "--dtype",
         "float32",
@@ -39,6 +42,8 @@ def server() -> Iterator[ServerProcess]:
         str(DEFAULT_OVERLAP),
         "--max-chunks-per-input",
         str(MAX_CHUNKS),
+        "--max-client-batch-size",
+        str(MAX_INPUTS),
     ) as s:
         yield s
 
@@ -243,7 +248,56 @@ def test_windows_count_against_admission_one_slot_each():
         return peak, started, admission.in_use
 
     peak, started, in_use = asyncio.run(scenario())
-    assert started == 10 and 1 <= peak <= 4 and in_use == 0
+    # Planned whole, the request is re-admitted for its 10 windows: the shared part's 4 slots.
+    assert started == 10 and peak == 4 and in_use == 0
+
+
+def test_a_request_of_few_long_inputs_runs_its_windows_side_by_side():
+    """One input of 64 windows on the default capacities: its input took one slot of the reserve, and once
+    planned the request is re-admitted for its 64 windows, more than an interactive request may have
+    (--interactive-max-inputs 32), so as a bulk request of 64 inputs: 64 slots of the shared part, every
+    window in flight at once (was: the one slot of its input, one window at a time). One input of 20
+    windows fits the reserve: 20 slots there, and it stays interactive. The futures are answered by the
+    test, one at a time, after the request has started what it can: the peak is the permit's, not a
+    speed."""
+
+    async def scenario(windows: int) -> tuple[int, bool, int]:
+        admission = Admission(capacity=2048, reserved=256, interactive_max_inputs=32)
+        permit = admission.admit(1)
+        assert permit.interactive and permit.held == 1
+        in_flight: list[asyncio.Future] = []
+        peak = 0
+        submitted = asyncio.Event()
+
+        async def plan(first: int, k: int) -> list[list[Window]]:
+            return [[Window([1], 0, 1, 1)] * windows for _ in range(k)]
+
+        def submit(ws: list[Window]) -> list[asyncio.Future]:
+            nonlocal peak
+            futures = [asyncio.get_running_loop().create_future() for _ in ws]
+            in_flight.extend(futures)
+            peak = max(peak, sum(not f.done() for f in in_flight))
+            assert sum(not f.done() for f in in_flight) <= permit.held <= admission.in_use
+            submitted.set()
+            return futures
+
+        task = asyncio.ensure_future(run_windowed(permit, 1, plan, submit))
+        await submitted.wait()  # the request started what its permit allows, in one call
+        while not task.done():
+            pending = [f for f in in_flight if not f.done()]
+            if pending:
+                pending[0].set_result(1)
+            await asyncio.sleep(0)  # the request's loop runs until it waits on its own windows
+        (results,) = await task
+        interactive = permit.interactive
+        permit.close()
+        assert len(results) == windows and admission.in_use == 0
+        return peak, interactive, admission.max_window
+
+    peak, interactive, max_window = asyncio.run(scenario(64))
+    assert peak == min(64, max_window) == 64 and not interactive
+    peak, interactive, _ = asyncio.run(scenario(20))
+    assert peak == 20 and interactive
 
 
 @pytest.fixture(scope="module")
@@ -291,3 +345,64 @@ def test_a_text_without_content_tokens_is_embedded_as_without_chunking(server):
     chunked = vectors(post(server, "\u0013", chunking={}))
     assert np.isfinite(chunked).all()
     np.testing.assert_allclose(chunked, plain, atol=1e-6)
+
+
+def test_a_requests_windows_make_at_most_the_tokens_of_an_unchunked_request(server):
+    """The windows of one request make at most --max-client-batch-size x max input length tokens in all
+    (usage.prompt_tokens), as an unchunked request's sequences do; one more is a 400 naming chunking and
+    the figures. "1." is one WordPiece token per character: 8 * ROOM characters make 8 full windows."""
+    full = "1." * (4 * ROOM)  # 2032 tokens: 8 windows of 256 tokens with their [CLS] and [SEP]
+    budget = MAX_INPUTS * MAX_LENGTH
+    r = post(server, [full, full], chunking={"overlap": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 2 * 8 * MAX_LENGTH == budget
+    r = post(server, [full, full, "a"], chunking={"overlap": 0})  # 3 tokens more
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "chunking" in message and f"{budget + 3} tokens in 17 windows" in message, message
+    assert f"the {budget} tokens one request may make" in message and "--max-client-batch-size" in message
+    assert post(server, "still serving").status_code == 200
+
+
+@pytest.mark.parametrize("prompt", [None, "query: "])
+def test_a_long_text_is_tokenized_once(default_model_path, long_text, prompt):
+    """The tokenizer reads a long text once to cut its windows (was: twice, whole, then again); a prompt
+    adds a read of the text's start bounded by the max input length, to embed a text that fits exactly as
+    without chunking. Counted on the real tokenizer's calls; the short text's window is its plain ids."""
+    from embed_service.engine.tokenizer import Tokenizer
+    from embed_service.models.spec import load_spec
+
+    tok = Tokenizer(load_spec(default_model_path))
+    read = []
+
+    class Counting:
+        def __init__(self, backend):
+            self.backend = backend
+
+        def __getattr__(self, name):
+            attr = getattr(self.backend, name)
+            if not name.startswith("encode"):
+                return attr
+
+            def call(texts, *args, **kw):
+                read.extend([texts] if isinstance(texts, str) else texts)
+                return attr(texts, *args, **kw)
+
+            return call
+
+    tok.backend = Counting(tok.backend)
+    tok._encode_ids = tok.backend.encode_batch_fast
+    text = (long_text + " ") * 3  # about 3500 tokens, 10500 characters
+    rule = ChunkRule(overlap=0, max_chunks=64, max_length=MAX_LENGTH, max_chars=10**6, return_chunks=False)
+    tok.prompt_length(prompt or "x")  # the prompt's own tokenization, cached, aside
+    read.clear()
+    (windows,) = plan(tok, [text], prompt, rule)
+    assert len(windows) > 8
+    chars = sum(len(t) for t in read)
+    assert sum(text in t for t in read) == 1
+    if prompt is None:
+        assert chars == len(text)
+    else:  # the prompt itself, then the joined start of the text (tokenizer.window), then the text
+        assert chars <= len(text) + len(prompt) * 2 + tok.window(ROOM + 1), (chars, len(text))
+    short = "a short query"
+    assert plan(tok, [short], prompt, rule)[0][0].ids == tok.encode([short], prompt)[0]

@@ -120,6 +120,32 @@ class Admission:
         self._changed()
         return Permit(self, n, window, interactive=False)
 
+    def resize(self, permit: Permit, units: int) -> None:
+        """Re-admit an idle permit for `units` inputs, now that the request knows how many it has (a chunked
+        request's windows, once planned): into the reserve as `admit(units)` would, else into the shared part
+        with as many slots as are free there (its own counted as free), which then grow as a piecewise
+        request's do; in one step, so the count never passes through a value nobody holds. Where the shared
+        part has fewer free slots than the permit holds, it keeps what it holds and `units` enter
+        through it."""
+        assert permit.busy == 0 and not permit.closed and units >= 0
+        permit.unstarted = units
+        in_reserve = self.in_reserve - (permit.held if permit.interactive else 0)
+        in_shared = self.in_shared - (0 if permit.interactive else permit.held)
+        if units <= self.interactive_max_inputs and in_reserve + units <= self.reserved:
+            interactive, held = True, units
+        else:
+            held = min(units, self.shared - in_shared, self.max_window)
+            interactive = False
+            if held < max(1, permit.held):
+                return  # less room than it holds
+        self.in_reserve, self.in_shared = in_reserve, in_shared
+        if interactive:
+            self.in_reserve += held
+        else:
+            self.in_shared += held
+        permit.interactive, permit.held = interactive, held
+        self._changed()
+
     def _grow(self, permit: Permit, want: int) -> int:
         if permit.interactive:
             return 0
