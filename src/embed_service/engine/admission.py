@@ -6,7 +6,8 @@ Budgets, checked on the parsed request before tokenizing (a 400 names the one pa
 - inputs per request (``--max-client-batch-size``);
 - characters per input the tokenizer may read, the prompt counted with each input (``--max-input-chars``);
 - characters per request, the prompt counted once per input (``--max-request-chars``).
-Token-id inputs are not tokenized; their ids count as characters.
+Token-id inputs are not tokenized; their ids count as characters. A chunked request's windows have a
+budget of their own, counted as its texts are tokenized (engine/chunking.py).
 
 Capacity is counted in inputs (``--max-concurrent-requests``), in two parts:
 - a reserve (``--interactive-reserved-inputs``) that only interactive requests (at most
@@ -19,6 +20,8 @@ Capacity is counted in inputs (``--max-concurrent-requests``), in two parts:
   own earlier ones are answered, and the window grows as capacity frees, up to half the shared part
   (so a second large request finds room). It never waits for capacity it does not hold, so it cannot
   deadlock, and it is served on a busy server; a request that finds no room at all gets 429 at once.
+A request whose inputs become more sequences once tokenized (a chunked request's windows) is re-admitted
+for them (`Admission.resize`), so that a few long inputs run their windows side by side.
 """
 
 from __future__ import annotations
