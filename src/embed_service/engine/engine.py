@@ -204,12 +204,7 @@ class TextSide:
         output = self._output_checks(opts)
         rule = self.truncation(opts)
         prompt = self._prompt(inputs, opts)
-        chunk_rule = self._chunk_rule(inputs, opts)
-        if chunk_rule is not None and output.kinds != {"dense"}:
-            raise InvalidInputError(
-                "chunking averages dense vectors; ask for the sparse and colbert outputs without it",
-                param="chunking",
-            )
+        chunk_rule = self._chunk_rule(inputs, opts, output)
         return output, rule, prompt, chunk_rule
 
     async def tokenize_texts(
@@ -339,12 +334,24 @@ class TextSide:
                 span.set_attributes({"embed.inputs": len(ids), "embed.tokens": sum(map(len, ids))})
         return ids
 
-    def _chunk_rule(self, inputs: Inputs, opts: EmbedOptions) -> chunking.ChunkRule | None:
-        """How this request chunks its inputs, or None when it does not (token ids never do)."""
+    def _chunk_rule(
+        self, inputs: Inputs, opts: EmbedOptions, output: OutputRequest
+    ) -> chunking.ChunkRule | None:
+        """How this request chunks its inputs, or None when it does not (token ids never do). The server's
+        --chunk-long-inputs applies to requests for dense vectors only: chunking averages them, and sparse
+        and ColBERT outputs are truncated as without it; a request that asks for chunking with them is a
+        400."""
         asked = opts.chunking or chunking.ChunkOptions()
-        enabled = self.settings.chunk_long_inputs if asked.enabled is None else asked.enabled
-        if not enabled:
+        if asked.enabled is None:
+            if not (self.settings.chunk_long_inputs and output.kinds == {DENSE}):
+                return None
+        elif not asked.enabled:
             return None
+        elif output.kinds != {DENSE}:
+            raise InvalidInputError(
+                "chunking averages dense vectors; ask for the sparse and colbert outputs without it",
+                param="chunking",
+            )
         if not isinstance(inputs[0], str):
             if asked.enabled:
                 raise InvalidInputError(
@@ -358,6 +365,7 @@ class TextSide:
             self.spec.max_input_length,
             self.settings.max_input_chars,
             asked.return_chunks,
+            self.settings.max_client_batch_size,  # the request's budget, as without chunking
         )
 
 
@@ -504,6 +512,12 @@ class Engine(TextSide):
             self.device,
             self.settings.tensor_parallel_size,
         )
+        if self.settings.chunk_long_inputs and DENSE not in self.spec.outputs:
+            log.warning(
+                "model %s gives no dense vectors: --chunk-long-inputs does not apply to it (its outputs "
+                "are truncated as without it)",
+                self.name,
+            )
         try:
             await self.replica_set.start(lambda text: log.info("model %s: %s", self.name, text))
         except Exception as exc:
@@ -674,18 +688,24 @@ class Engine(TextSide):
     # --- long inputs as windows (engine/chunking.py) -------------------------------------------------
 
     def _plan(
-        self, texts: list[str], prompt: str | None, rule: chunking.ChunkRule, first: int
+        self,
+        texts: list[str],
+        prompt: str | None,
+        rule: chunking.ChunkRule,
+        first: int,
+        tally: chunking.Tally,
     ) -> list[list[chunking.Window]]:
         """Runs on a tokenization thread (the prompt was checked before admission)."""
         try:
-            return chunking.plan(self.tokenizer, texts, prompt, rule, first)
+            return chunking.plan(self.tokenizer, texts, prompt, rule, first, tally)
         except chunking.ChunkError as exc:
             raise InvalidInputError(str(exc), param=exc.param) from None
 
     async def _embed_windowed(
         self, inputs: list[str], opts: EmbedOptions, rule: chunking.ChunkRule, prompt: str | None
     ) -> EmbedResult:
-        """embed() for a request that chunks its long texts: each window a sequence, admitted as one."""
+        """embed() for a request that chunks its long texts: planned whole (and refused past its budget)
+        first, then each window a sequence, admitted as one (chunking.run_windowed)."""
         check_request(inputs, prompt, self.limits)
         try:  # before admission: refusals that need no tokenizing of the texts
             self.tokenizer.check_prompt(prompt, rule.max_length)  # a prompt that fills the window first
@@ -694,12 +714,13 @@ class Engine(TextSide):
         except (chunking.ChunkError, PromptError) as exc:
             raise InvalidInputError(str(exc), param=exc.param) from None
         planned: list[list[chunking.Window]] = []
+        tally = chunking.Tally(rule)  # the request's windows and tokens, against its budget
         with _Run(self, self.admission.admit(len(inputs))) as run:
 
             async def plan_piece(first: int, k: int) -> list[list[chunking.Window]]:
                 with self._tokenizing():
                     done = await self._on_tokenizer(
-                        inputs, first, k, prompt, lambda texts, at: self._plan(texts, prompt, rule, at)
+                        inputs, first, k, prompt, lambda texts, at: self._plan(texts, prompt, rule, at, tally)
                     )
                 planned.extend(done)
                 return done
