@@ -115,13 +115,13 @@ def test_refusals(embedder, tmp_path):
         job(embedder, str(inputs["parquet"]), str(out), "--no-progress")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": ""}\n')
-    with pytest.raises(offline.JobError, match="row 1: the 'text' field is empty"):
+    with pytest.raises(offline.JobError, match="line 2: the 'text' field is empty"):
         job(embedder, str(bad), str(tmp_path / "bad.parquet"), "--no-progress")
     with pytest.raises(offline.JobError, match=r"must end in \.parquet or \.npy"):
         job(embedder, str(bad), str(tmp_path / "out.csv"))
     long = tmp_path / "long.jsonl"
     long.write_text('{"text": "short"}\n' * 5 + json.dumps({"text": "word " * 400}) + "\n")
-    with pytest.raises(offline.JobError, match="input 5 has more than the maximum of 256 tokens"):
+    with pytest.raises(offline.JobError, match="line 6 has more than the maximum of 256 tokens"):
         job(
             embedder,
             str(long),
