@@ -288,10 +288,15 @@ async def _embed_chunks(
         progress.update(len(chunk.texts), result.prompt_tokens)
 
     try:
-        for chunk in chunks:
-            pending.append((chunk, asyncio.ensure_future(embedder.aembed(chunk.texts, **options))))
-            if len(pending) >= CHUNKS_IN_FLIGHT:
+        try:
+            for chunk in chunks:
+                pending.append((chunk, asyncio.ensure_future(embedder.aembed(chunk.texts, **options))))
+                if len(pending) >= CHUNKS_IN_FLIGHT:
+                    await write_oldest()
+        except JobError:  # a bad row ahead: the chunks before it are embedded already, keep them
+            while pending:
                 await write_oldest()
+            raise
         while pending:
             await write_oldest()
     finally:
