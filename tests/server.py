@@ -132,6 +132,20 @@ def kill_all_servers() -> int:
 atexit.register(kill_all_servers)
 
 
+HANG_S = 60.0
+"""A failure bound only: a test waits for the event it means, and this long means that it never came."""
+
+
+def wait_until(condition, what: str, server: ServerProcess | None = None, timeout: float = HANG_S) -> None:
+    """Return once `condition()` is true; fail naming `what` (and the server's log) after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            log = f":\n{server.output()}" if server is not None else ""
+            raise AssertionError(f"waited {timeout:.0f}s for {what}{log}")
+        time.sleep(0.005)
+
+
 def read_corpus(name: str, n: int) -> list[str]:
     """The first `n` texts of tests/data/<name>; asking for more than the file has is an error."""
     with open(CORPUS / name, encoding="utf-8") as f:

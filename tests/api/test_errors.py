@@ -5,13 +5,12 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-import time
 
 import httpx
 import psutil
 import pytest
 
-from tests.server import ServerProcess
+from tests.server import HANG_S, ServerProcess, wait_until
 
 KEY = "test-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -163,16 +162,6 @@ def in_flight(server) -> float:
     return sum(
         float(line.split()[-1]) for line in text.splitlines() if line.startswith("embed_inputs_in_flight{")
     )
-
-
-HANG_S = 60.0  # a failure bound only: each wait below is for an event, and this long means it never came
-
-
-def wait_until(condition, what: str, server: ServerProcess) -> None:
-    deadline = time.monotonic() + HANG_S
-    while not condition():
-        assert time.monotonic() < deadline, f"waited {HANG_S:.0f}s for {what}:\n{server.output()}"
-        time.sleep(0.005)
 
 
 @contextlib.contextmanager

@@ -20,20 +20,11 @@ from safetensors.torch import load_file, save_file
 from embed_service.outputs import DENSE_ONLY
 from embed_service.workers.group import WorkerDiedError, WorkerGroup, free_port
 from embed_service.workers.worker import WorkerConfig
+from tests.server import HANG_S, wait_until
 
 
 def config(model: Path) -> WorkerConfig:
     return WorkerConfig(str(model), 128, "float32", "cpu", 1, 2, free_port())
-
-
-HANG_S = 60.0  # a failure bound only: every wait here is for an event, and this long means it never came
-
-
-def wait_until(condition, what: str) -> None:
-    deadline = time.monotonic() + HANG_S
-    while not condition():
-        assert time.monotonic() < deadline, f"waited {HANG_S:.0f}s for {what}"
-        time.sleep(0.005)
 
 
 def assert_all_exited(group: WorkerGroup) -> None:
