@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import threading
 
 import httpx
-import psutil
 import pytest
 
-from tests.server import HANG_S, ServerProcess, wait_until
+from tests.server import HANG_S, ServerProcess, wait_until, workers_held
 
 KEY = "test-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -162,21 +160,6 @@ def in_flight(server) -> float:
     return sum(
         float(line.split()[-1]) for line in text.splitlines() if line.startswith("embed_inputs_in_flight{")
     )
-
-
-@contextlib.contextmanager
-def workers_held(server: ServerProcess):
-    """The server's worker processes stopped (SIGSTOP) for the block: what is admitted meanwhile stays in
-    flight on any CPU, however fast. Kept short: a worker silent for 5 s is declared hung and restarted."""
-    procs = psutil.Process(server.proc.pid).children(recursive=True)
-    for p in procs:
-        p.suspend()
-    try:
-        yield
-    finally:
-        for p in procs:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.resume()
 
 
 def test_429_past_max_concurrent_requests_with_retry_after():
