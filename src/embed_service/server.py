@@ -120,9 +120,9 @@ def check_names(models: list[Prepared]) -> None:
 
 
 def with_gpu_memory(machine: Machine) -> Machine:
-    """The machine with its smallest visible GPU's memory, which the plan needs to let models share a GPU."""
-    if not machine.gpus:
-        return machine
+    """The machine with its smallest visible GPU's memory, which the plan needs to let models share a GPU.
+    Asked only when the models need more GPUs than there are: reading it initializes CUDA in this process,
+    which otherwise leaves CUDA to the workers."""
     import torch
 
     memory = min(torch.cuda.get_device_properties(i).total_memory for i in range(machine.gpus))
@@ -136,10 +136,14 @@ def build_engines(config: ServeConfig) -> tuple[list[Engine], Plan]:
     check_names(models)
     requests = [model_request(m.settings, m.spec, m.names[0], m.device) for m in models]
     frontends = config.server.http_processes if config.server.http_processes > 1 else 0
+    machine = this_machine(any(m.device == "cuda" for m in models))
     try:
-        plan = plan_resources(
-            requests, with_gpu_memory(this_machine(any(m.device == "cuda" for m in models))), frontends
-        )
+        try:
+            plan = plan_resources(requests, machine, frontends)
+        except PlanError:
+            if not machine.gpus:
+                raise
+            plan = plan_resources(requests, with_gpu_memory(machine), frontends)  # GPUs shared, if they fit
     except PlanError as exc:
         raise StartupError(f"cannot plan the machine: {exc}") from None
     for line in plan.lines():
