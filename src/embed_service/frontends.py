@@ -163,6 +163,7 @@ class EngineHost:
         self.reported: dict[int, asyncio.Event] = {}
         self.procs: list[Any] = []
         self.exit_code = 0
+        self.connections: Any = None  # every front end's open connections, one shared count
 
     def _fail(self, reason: str) -> None:
         if self.fatal is None:
@@ -272,6 +273,7 @@ class EngineHost:
         for e in self.engines.values():
             e.on_fatal.append(self._fail)
         ctx = mp.get_context("spawn")
+        self.connections = ctx.Value("i", 0)
         infos = [
             ModelInfo(e.name, e.served_names, e.settings, e.spec, e.device, e.plan)
             for e in self.engines.values()
@@ -281,7 +283,7 @@ class EngineHost:
             ours, theirs = socket.socketpair()
             proc = ctx.Process(
                 target=run_frontend,
-                args=(i, self.settings, self.sock, theirs, infos, self.plan),
+                args=(i, self.settings, self.sock, theirs, infos, self.plan, self.connections),
                 name=f"embed-http-{i}",
                 daemon=True,  # never outlives this process
             )
@@ -460,11 +462,15 @@ def run_frontend(
     channel_sock: socket.socket,
     infos: list[ModelInfo],
     plan: Plan,
+    connections: Any,
 ) -> None:
-    """A front-end process: the app over `RemoteEngine`s, on the shared socket, until drained or orphaned."""
+    """A front-end process: the app over `RemoteEngine`s, on the shared socket, until drained or orphaned;
+    `connections`: the open connections of every front end, counted together (http_limits.py's
+    `server_wide`)."""
     import sys
 
     from embed_service.api.app import create_app
+    from embed_service.api.http_limits import server_wide
     from embed_service.server import DrainingServer, uvicorn_config
 
     observability.configure(settings.log_level, settings.log_format, settings.otlp_endpoint)
@@ -490,7 +496,9 @@ def run_frontend(
             return await channel.call(None, "metrics")
 
         app.state.server.metrics_text = metrics_text
-        server = DrainingServer(uvicorn_config(app, settings), app.state.server, settings.drain_timeout)
+        config = uvicorn_config(app, settings)
+        config.http = server_wide(config.http, connections)  # type: ignore[arg-type]
+        server = DrainingServer(config, app.state.server, settings.drain_timeout)
         app.state.server.on_fatal.append(server.fatal)
         listening = asyncio.create_task(channel.listen())
         await server.serve(sockets=[sock])

@@ -15,6 +15,7 @@ dense = normalize(h[:, 0]); sparse = relu(sparse_linear(h)) per token, cls/eos/p
 from __future__ import annotations
 
 import base64
+import re
 import shutil
 from pathlib import Path
 
@@ -230,6 +231,23 @@ def test_embed_sparse_alias(served, ours_and_ref):
     for got, want in zip(r.json(), data[:3]):
         assert [p["index"] for p in got] == want["sparse"]["indices"]
         np.testing.assert_allclose([p["value"] for p in got], want["sparse"]["values"], atol=1e-5)
+
+
+def test_embed_sparse_writes_each_weight_as_its_float32_short_form(served, ours_and_ref):
+    """Was: /embed_sparse wrote the weights as 17-digit doubles (0.18700000643730164) where /v1/embeddings
+    writes the shortest text that reads back as the same float32 (0.187): the same weight in two forms."""
+    _, url, _ = served
+    inputs, _, _ = ours_and_ref
+    sparse = post(url, {"inputs": inputs[:3]}, route="/embed_sparse")
+    embeddings = post(url, {"input": inputs[:3], "outputs": ["sparse"]})
+    assert sparse.status_code == embeddings.status_code == 200
+    written = re.findall(r'"value":([^,}]+)', sparse.text)
+    assert written == [
+        v for lst in re.findall(r'"values":\[([^\]]*)\]', embeddings.text) for v in lst.split(",") if v
+    ]
+    for text in written:
+        assert float(text) == float(str(np.float32(text))), text  # numpy's shortest float32 form
+    assert len(written) == sum(len(d["sparse"]["values"]) for d in embeddings.json()["data"]) > 0
 
 
 def test_a_model_without_the_heads_refuses_them(served):
