@@ -354,8 +354,8 @@ def test_max_active_dims_and_threshold_on_lexical_weights(served, ours_and_ref):
 
 def test_mixed_batch_of_output_kinds_in_the_worker(served):
     """One worker batch whose sequences ask for different kinds (as concurrent requests do) gives each
-    sequence what it gets alone: the Embedder the workers run, on one batch vs one sequence at a time."""
-    from embed_service.models.loader import Embedder
+    sequence what it gets alone: the EmbeddingModel the workers run, on one batch vs one sequence at a time."""
+    from embed_service.models.loader import EmbeddingModel
     from embed_service.models.spec import load_spec
     from embed_service.ops.batch import FlatBatch
     from embed_service.outputs import OutputRequest
@@ -371,7 +371,7 @@ def test_mixed_batch_of_output_kinds_in_the_worker(served):
         {"dense", "sparse"},
     ]
     requests = [OutputRequest(frozenset(a)) for a in asks]
-    model = Embedder(load_spec(path), torch.float32, torch.device("cpu")).eval()
+    model = EmbeddingModel(load_spec(path), torch.float32, torch.device("cpu")).eval()
 
     def run(seqs: list[list[int]], reqs: list[OutputRequest]):
         flat = torch.tensor([i for s in seqs for i in s])
