@@ -37,7 +37,7 @@ def compiler(tmp_path) -> str:
     if real is None:
         pytest.skip("no C compiler: the kernel is never built, so there is no cache to check")
     wrapper = tmp_path / "cc-wrapper"
-    wrapper.write_text(f'#!/bin/sh\necho run >> "{tmp_path}/cc-runs"\nexec {real} "$@"\n')
+    wrapper.write_text(f'#!/bin/sh\necho "$@" >> "{tmp_path}/cc-runs"\nexec {real} "$@"\n')
     wrapper.chmod(0o755)
     return str(wrapper)
 
@@ -55,8 +55,10 @@ def cache(tmp_path, monkeypatch, compiler) -> Iterator[Path]:
 
 
 def compiler_runs(tmp_path: Path) -> int:
+    """How many times the kernel was compiled (a build is a compile, then a link without -c)."""
     runs = tmp_path / "cc-runs"
-    return len(runs.read_text().splitlines()) if runs.exists() else 0
+    lines = runs.read_text().splitlines() if runs.exists() else []
+    return sum(" -c " in f" {line} " for line in lines)
 
 
 def plant(directory: Path, compiler: str, tmp_path: Path) -> Path:
