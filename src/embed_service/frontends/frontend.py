@@ -23,7 +23,7 @@ from embed_service.config import ServerSettings, Settings
 from embed_service.engine.errors import NotReadyError, OverloadedError
 from embed_service.engine.scoring import ScoreResult
 from embed_service.engine.text import EmbedOptions, EmbedResult, Inputs, TextSide
-from embed_service.engine.tokenizer import Tokenizer
+from embed_service.engine.tokenizer import Tokenizer, TokenizerFiles
 from embed_service.frontends.channel import (
     Call,
     Cancel,
@@ -56,6 +56,7 @@ class ModelInfo:
     spec: ModelSpec
     device: str
     plan: ModelPlan
+    tokenizer: TokenizerFiles  # the engine's, rebuilt here without transformers (and torch)
 
 
 class EngineClient:
@@ -133,7 +134,7 @@ class RemoteEngine(TextSide):
         self.spec = info.spec
         self.device = info.device
         self.plan = info.plan
-        self.tokenizer = Tokenizer(info.spec)
+        self.tokenizer = Tokenizer(info.spec, info.tokenizer)
         self._start_text_side()
         self.client = client
         self.state = "loading"

@@ -93,7 +93,8 @@ class EngineHost:
         self.engines = {e.name: e for e in engines}
         self.plan = plan
         self.infos = [
-            ModelInfo(e.name, e.served_names, e.settings, e.spec, e.device, e.plan) for e in engines
+            ModelInfo(e.name, e.served_names, e.settings, e.spec, e.device, e.plan, e.tokenizer.files())
+            for e in engines
         ]
         self.fatal: str | None = None
         self.draining = False
