@@ -71,7 +71,9 @@ class EngineClient:
         self.gone: str | None = None
         self.channel = Channel(sock, self._receive, self._closed, "engine")
 
-    async def call(self, model: str | None, method: str, *args: Any) -> Any:
+    async def call(self, model: str | None, method: str, *args: Any, wait: float = 0.0) -> Any:
+        """`method(*args)` of `model`'s engine in the engine process; `wait`: how long the call itself
+        may wait (a drain's), past which the deadline starts."""
         if self.gone:
             raise NotReadyError(self.gone)
         if len(self.pending) >= MAX_PENDING_CALLS:
@@ -84,10 +86,10 @@ class EngineClient:
                 await self.channel.send(Call(call_id, model, method, args, trace_context()))
             except OSError:
                 raise NotReadyError(self.gone or "the engine process is gone") from None
-            return await asyncio.wait_for(future, self.timeout)
+            return await asyncio.wait_for(future, self.timeout + wait)
         except TimeoutError:
             self.channel.post(Cancel(call_id))
-            raise NotReadyError(f"the engine did not answer within {self.timeout:g} s") from None
+            raise NotReadyError(f"the engine did not answer within {self.timeout + wait:g} s") from None
         except asyncio.CancelledError:  # the client went away: so does the engine's work for it
             self.channel.post(Cancel(call_id))
             raise
@@ -197,7 +199,7 @@ class RemoteEngine(TextSide):
         return await self.client.call(self.name, "classify", inputs, opts)
 
     async def wait_idle(self, timeout: float) -> bool:
-        return bool(await self.client.call(self.name, "wait_idle", timeout))
+        return bool(await self.client.call(self.name, "wait_idle", timeout, wait=timeout))
 
 
 async def _serve(
