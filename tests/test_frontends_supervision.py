@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,6 +25,7 @@ import pytest
 
 from tests.server import ServerProcess, free_port
 from tests.test_frontends import FLAGS, TEXTS, alive, embed, metric
+from tests.test_tracing import Collector, traceparent
 
 WAIT_S = 120.0  # the most any event below is waited for: past it the test fails (it never passes on time)
 SLOW = ["an input that keeps the engine busy for a while " * 8] * 200  # with --max-batch-requests 1
@@ -237,3 +239,29 @@ def test_the_unexpected_error_is_logged_once(stub):
         "the error's log line", lambda: stub.output().count("failed on an unexpected error") > before, stub
     )
     assert stub.output().count("failed on an unexpected error") == before + 1
+
+
+def test_a_requests_spans_stay_one_tree_across_the_channel():
+    with Collector() as collector:
+        threading.Thread(target=collector.serve_forever, daemon=True).start()
+        endpoint = f"http://127.0.0.1:{collector.server_address[1]}"
+        env = {"OTEL_BSP_SCHEDULE_DELAY": "100"}  # export every 100 ms instead of every 5 s
+        with ServerProcess(*FLAGS, "--http-processes", "2", "--otlp-endpoint", endpoint, env=env) as server:
+            header, _, trace_id, _ = traceparent(4)
+            answer = httpx.post(
+                server.url + "/v1/embeddings",
+                json={"input": ["hello", "world"]},
+                headers={"traceparent": header},
+            )
+            assert answer.status_code == 200
+            # the front end's server span and tokenization; the engine process's queue and inference
+            wanted = {"POST /v1/embeddings", "tokenize", "queue", "inference"}
+
+            def mine() -> list:
+                return [s for _, s in collector.spans() if int.from_bytes(s.trace_id, "big") == trace_id]
+
+            wait_for("the request's spans", lambda: {s.name for s in mine()} >= wanted, server)
+        collector.shutdown()
+    spans = mine()
+    [server_span] = [s for s in spans if s.name == "POST /v1/embeddings"]
+    assert {s.name for s in spans if s.parent_span_id == server_span.span_id} >= wanted - {server_span.name}
