@@ -112,13 +112,24 @@ class EngineClient:
         else:
             raise TypeError(f"no such message from the engine process: {type(message).__name__}")
 
-    def _closed(self, reason: str) -> None:
-        """The engine process is gone (or the channel failed): every pending call fails now, with 503."""
-        self.gone = f"the engine process is unavailable: {reason}"
-        log.error("%s; failing %d pending calls", self.gone, len(self.pending))
+    def close(self) -> None:
+        """This process is stopping: the channel closes, and nothing is reported gone."""
+        self.gone = "this HTTP process is stopping"
+        self.channel.close(self.gone)
+        self._fail_pending()
+
+    def _fail_pending(self) -> None:
         for future in self.pending.values():
             if not future.done():
-                future.set_exception(NotReadyError(self.gone))
+                future.set_exception(NotReadyError(self.gone or "the engine process is gone"))
+
+    def _closed(self, reason: str) -> None:
+        """The engine process is gone (or the channel failed): every pending call fails now, with 503."""
+        if self.gone:  # closed here, on purpose
+            return
+        self.gone = f"the engine process is unavailable: {reason}"
+        log.error("%s; failing %d pending calls", self.gone, len(self.pending))
+        self._fail_pending()
         self.on_gone(self.gone)
 
 
@@ -241,7 +252,7 @@ async def _serve(
     try:
         await server.serve(sockets=[sock])
     finally:
-        client.channel.close("the HTTP process is stopping")
+        client.close()
     return server.exit_code
 
 
