@@ -35,7 +35,7 @@ lint: $(VENV)/.installed-dev
 	$(BIN)/shellcheck scripts/install.sh scripts/image_test.sh .ci/run benchmarks/gpu_check.sh
 
 typecheck: $(VENV)/.installed-dev
-	$(BIN)/mypy src/embed_service/api src/embed_service/engine src/embed_service/batching src/embed_service/config.py src/embed_service/observability.py
+	$(BIN)/mypy src/embed_service
 
 unit: $(VENV)/.installed-dev
 	$(BIN)/pytest $(PYTEST_ARGS)

@@ -209,12 +209,12 @@ def step_cuda_graphs(model_dir: Path, device: str) -> dict[str, Any]:
 
     model, spec, dtype = load_embedder(model_dir, device, GRAPH_MAX_LEN)
     backend = attention.backend_name(device, dtype)
-    plan = graphs.plan(True, device, backend, spec.family.module, 1, graphs.GRAPH_MAX_TOKENS)
+    plan = graphs.choose_steps(True, device, backend, spec.family.module, 1, graphs.GRAPH_MAX_TOKENS)
     out: dict[str, Any] = {"attention": backend, "captured": bool(plan.steps), "skipped": plan.off}
     if not plan.steps:  # the same layout, run eagerly
         needed = {graphs.padded_tokens(b * n) for b, n in GRAPH_BATCHES}
         steps = tuple(sorted(set(graphs.graph_steps(DRY_GRAPH_STEPS)) | needed))
-        plan = graphs.GraphPlan(steps, graphs.GRAPH_MAX_SEQUENCES, None)
+        plan = graphs.GraphSteps(steps, graphs.GRAPH_MAX_SEQUENCES, None)
     t0 = time.perf_counter()
     capture = graphs.cuda_graph if out["captured"] else graphs.eager
     runner = graphs.GraphRunner(model.model, plan, spec.max_input_length, torch.device(device), capture)

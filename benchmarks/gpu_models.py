@@ -142,8 +142,8 @@ def corpus(path: Path, model_dir: Path, tokens: int, n: int) -> Path:
 
 
 def load_embedder(model_dir: Path, device: str, max_len: int):
-    """(Embedder, spec, dtype) as a worker builds it: the kernels and dtype it would choose."""
-    from embed_service.models.loader import Embedder
+    """(EmbeddingModel, spec, dtype) as a worker builds it: the kernels and dtype it would choose."""
+    from embed_service.models.loader import EmbeddingModel
     from embed_service.models.spec import load_spec
     from embed_service.ops import fused
     from embed_service.workers.device import DTYPES, cuda_dtype_for, resolve_dtype
@@ -153,4 +153,4 @@ def load_embedder(model_dir: Path, device: str, max_len: int):
     if dtype == "auto":
         dtype = cuda_dtype_for(torch.cuda.get_device_capability())
     spec = load_spec(model_dir, max_len)
-    return Embedder(spec, DTYPES[dtype], torch.device(device)).eval(), spec, DTYPES[dtype]
+    return EmbeddingModel(spec, DTYPES[dtype], torch.device(device)).eval(), spec, DTYPES[dtype]

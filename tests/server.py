@@ -9,6 +9,7 @@ also SIGKILLed by the kernel when the test process dies outright.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -130,6 +132,64 @@ def kill_all_servers() -> int:
 
 
 atexit.register(kill_all_servers)
+
+
+HANG_S = 60.0
+"""A failure bound only: a test waits for the event it means, and this long means that it never came."""
+
+
+def wait_until(condition, what: str, server: ServerProcess | None = None, timeout: float = HANG_S) -> None:
+    """Return once `condition()` is true; fail naming `what` (and the server's log) after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            log = f":\n{server.output()}" if server is not None else ""
+            raise AssertionError(f"waited {timeout:.0f}s for {what}{log}")
+        time.sleep(0.005)
+
+
+@contextlib.contextmanager
+def workers_held(server: ServerProcess) -> Iterator[list[int]]:
+    """The default model's worker processes stopped (SIGSTOP) for the block, then continued: a batch sent
+    to them meanwhile stays unanswered, so what the server admits stays in flight on any CPU, however fast.
+    Keep the block short: a worker silent for 5 s (workers/group.py's HEARTBEAT_TIMEOUT_S) is declared hung
+    and restarted."""
+    info = httpx.get(server.url + "/info", timeout=30).json()
+    pids = [pid for replica in info["replicas"] for pid in replica["pids"]]
+    assert pids, info["replicas"]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield pids
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def metric_total(server: ServerProcess, name: str) -> float:
+    """The sum of a /metrics series' samples over all their labels (0 when it has none)."""
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return sum(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith((name + "{", name + " "))
+    )
+
+
+def abandoned_while_queued(server: ServerProcess, body: bytes) -> None:
+    """POST `body` to /v1/embeddings on a raw socket with the workers held, hang up once its inputs are
+    queued, wait for the server to let the request go (nothing left in flight), then let the workers go
+    and return once the queue is empty (the batcher skips the abandoned inputs as it takes them)."""
+    with workers_held(server):
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        sock.sendall(
+            b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        wait_until(lambda: metric_total(server, "embed_queue_size") > 0, "the inputs to be queued", server)
+        sock.close()
+        wait_until(lambda: metric_total(server, "embed_inputs_in_flight") == 0, "the request let go", server)
+    wait_until(lambda: metric_total(server, "embed_queue_size") == 0, "the queue to be emptied", server)
 
 
 def read_corpus(name: str, n: int) -> list[str]:

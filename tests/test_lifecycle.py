@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 from collections import Counter
@@ -13,7 +12,7 @@ from dataclasses import dataclass
 import httpx
 import psutil
 
-from tests.server import ServerProcess, read_corpus
+from tests.server import HANG_S, ServerProcess, abandoned_while_queued, read_corpus, wait_until, workers_held
 
 
 def metric(url: str, name: str) -> float:
@@ -49,7 +48,9 @@ def test_loading_answers_503_then_200():
         server.stop()
 
 
-def test_health_answers_fast_while_a_long_batch_computes():
+def test_health_answers_while_a_long_batch_computes():
+    """/health is answered while a batch is unanswered, not behind it: the workers are held with the batch
+    in flight, so the order holds on any CPU (was: a median latency under 0.1 s, a speed)."""
     texts = read_corpus("passages.jsonl", 150)
     with ServerProcess("--dtype", "float32", "--max-batch-tokens", "65536") as s:
         result: dict = {}
@@ -58,47 +59,39 @@ def test_health_answers_fast_while_a_long_batch_computes():
                 "r", httpx.post(s.url + "/v1/embeddings", json={"input": texts}, timeout=300)
             )
         )
-        t.start()
-        while metric(s.url, "embed_batch_size_count") < 1 and t.is_alive():
-            time.sleep(0.01)  # wait until the first (long) batch is running
         latencies = []
-        while t.is_alive() and len(latencies) < 10:
-            start = time.perf_counter()
-            assert httpx.get(s.url + "/health", timeout=5).status_code == 200
-            latencies.append(time.perf_counter() - start)
+        with workers_held(s):
+            t.start()
+            wait_until(lambda: metric(s.url, "embed_inputs_in_flight") > 0, "the batch to be admitted", s)
+            for _ in range(10):
+                start = time.perf_counter()
+                assert httpx.get(s.url + "/health", timeout=HANG_S).status_code == 200
+                latencies.append(time.perf_counter() - start)
+            assert t.is_alive(), "the batch was answered with its workers stopped"
         t.join()
         assert result["r"].status_code == 200
-        assert latencies, "the batch finished before /health could be asked"
-        latencies.sort()
-        assert latencies[len(latencies) // 2] < 0.1, latencies
+        print(f"\n/health beside an unanswered batch: median {sorted(latencies)[5] * 1000:.1f} ms")
 
 
 def test_a_request_whose_client_disconnects_is_not_computed():
-    # One sequence per batch: a 200-input request takes many batches, so most are still queued at the cut.
-    with ServerProcess("--dtype", "float32", "--max-batch-requests", "1") as s:
+    # One sequence per batch, one replica, its worker held: at most the batch sent before the cut is computed,
+    # whatever the CPU's speed (was: "most" of 200 still queued after a batch ran, and a 0.5 s sleep).
+    with ServerProcess("--dtype", "float32", "--max-batch-requests", "1", "--data-parallel-size", "1") as s:
         body = httpx.Request(
             "POST",
             s.url + "/v1/embeddings",
             json={"input": ["a queued input that should never run " * 8] * 200},
         ).content
-        sock = socket.create_connection(("127.0.0.1", s.port))
-        sock.sendall(
-            b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
-        while metric(s.url, "embed_batch_size_count") < 1:
-            time.sleep(0.01)
-        sock.close()  # the client goes away with most of its inputs still queued
-        deadline = time.monotonic() + 30
-        while metric(s.url, "embed_queue_size") > 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.5)
-        computed = metric(s.url, "embed_batch_size_sum")
-        assert metric(s.url, "embed_queue_size") == 0
-        assert computed < 100, f"{computed} of 200 sequences were computed after the client left"
+        abandoned_while_queued(s, body)
+        # Answered after any batch sent before it (one replica, one batch at a time): then all is counted.
         assert httpx.post(s.url + "/v1/embeddings", json={"input": "still serving"}).status_code == 200
-        assert metric(s.url, 'embed_requests_total{model="all-MiniLM-L6-v2",status="499"}') == 1
+        computed = metric(s.url, "embed_batch_size_sum") - 1
+        assert computed <= 2, f"{computed} of 200 sequences were computed after the client left"
+        wait_until(
+            lambda: metric(s.url, 'embed_requests_total{model="all-MiniLM-L6-v2",status="499"}') == 1,
+            "the 499 to be counted",
+            s,
+        )
 
 
 def test_sigterm_answers_admitted_requests_then_exits_0():
@@ -111,27 +104,20 @@ def test_sigterm_answers_admitted_requests_then_exits_0():
 
     threads = [threading.Thread(target=client) for _ in range(6)]
     try:
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 30
-        while (
-            metric(s.url, "embed_inputs_in_flight") + metric(s.url, "embed_batch_size_count") < 6 * len(texts)
-            and time.monotonic() < deadline
-        ):
-            # Until all six are admitted (an input leaves the in-flight count once answered).
-            time.sleep(0.005)
-        assert metric(s.url, "embed_batch_size_count") < 6 * len(texts)  # work is still in flight
-        s.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.05)
-        late = None
-        try:
+        # The workers are held until the drain has begun: all six are admitted and unanswered when SIGTERM
+        # comes, and a late request finds the drain in progress, on any CPU (was: hoped for with timing).
+        with workers_held(s):
+            for t in threads:
+                t.start()
+            wait_until(
+                lambda: metric(s.url, "embed_inputs_in_flight") == 6 * len(texts), "all six admitted", s
+            )
+            s.proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: "received SIGTERM: draining" in s.output(), "the drain to begin", s)
             late = httpx.post(s.url + "/v1/embeddings", json={"input": "late"}, timeout=10)
             health = httpx.get(s.url + "/health", timeout=10)
-        except httpx.TransportError:
-            health = None  # already drained and closed: also no admission
-        if late is not None:
-            assert late.status_code == 503
-            assert health is not None and health.status_code == 503
+        assert late.status_code == 503
+        assert health.status_code == 503
         for t in threads:
             t.join(120)
         assert s.proc.wait(60) == 0, s.output()

@@ -115,13 +115,13 @@ def test_refusals(embedder, tmp_path):
         job(embedder, str(inputs["parquet"]), str(out), "--no-progress")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": ""}\n')
-    with pytest.raises(offline.JobError, match="row 1: the 'text' field is empty"):
+    with pytest.raises(offline.JobError, match="line 2: the 'text' field is empty"):
         job(embedder, str(bad), str(tmp_path / "bad.parquet"), "--no-progress")
     with pytest.raises(offline.JobError, match=r"must end in \.parquet or \.npy"):
         job(embedder, str(bad), str(tmp_path / "out.csv"))
     long = tmp_path / "long.jsonl"
     long.write_text('{"text": "short"}\n' * 5 + json.dumps({"text": "word " * 400}) + "\n")
-    with pytest.raises(offline.JobError, match="input 5 has more than the maximum of 256 tokens"):
+    with pytest.raises(offline.JobError, match="line 6 has more than the maximum of 256 tokens"):
         job(
             embedder,
             str(long),
@@ -183,7 +183,14 @@ def test_killed_then_resumed_equals_an_uninterrupted_run(embedder, reference, tm
     assert rerun.returncode == 0, rerun.stderr
     ids, vectors = read_parquet(out)
     assert ids == IDS  # nothing twice, nothing missing, in input order
-    assert vectors.tobytes() == reference.tobytes()  # what an uninterrupted job writes (the tests above)
+    # What an uninterrupted job writes (the tests above), to what is guaranteed: a vector's bits depend on
+    # the batch it was computed in (the rows padded beside it), and the resumed job batches the rows after
+    # the kill differently from the uninterrupted one. Equal bytes would need batch-invariant kernels.
+    assert vectors.dtype == np.float32 and vectors.shape == reference.shape
+    cosine = (vectors * reference).sum(1) / (
+        np.linalg.norm(vectors, axis=1) * np.linalg.norm(reference, axis=1)
+    )
+    assert cosine.min() >= 0.99999 and np.abs(vectors - reference).max() <= 1e-5
     assert not parts.exists()
 
     # The rerun's progress bar: started at the rows already written, rows/s, tokens/s and an ETA.

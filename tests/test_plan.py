@@ -121,3 +121,78 @@ def test_each_replica_group_gets_its_own_devices(default_model_path):
     assert [g.cfg.devices for g in groups] == [("cuda:4", "cuda:5"), ("cuda:6", "cuda:7")]
     assert {g.cfg.device for g in groups} == {"cuda"} and engine.num_threads == 4
     assert groups[0].cfg.dist_port != groups[1].cfg.dist_port
+
+
+H200 = 141 * GIB  # an H200's memory, as torch reports it (about 139.8 GiB usable)
+
+
+def test_an_embedder_and_a_reranker_share_one_gpu_when_their_checkpoints_fit():
+    """Was: refused ("need 2 GPUs, 1 visible"): every replica took a GPU of its own."""
+    plan = plan_resources(
+        [
+            ModelRequest("bge-m3", "cuda", replicas=1, weight_bytes=2_270_000_000),
+            ModelRequest("bge-reranker-v2-m3", "cuda", replicas=1, weight_bytes=2_270_000_000),
+        ],
+        Machine(cores=16, gpus=1, memory=128 * GIB, gpu_memory=H200),
+    )
+    assert [m.devices for m in plan.models] == [(("cuda:0",),), (("cuda:0",),)]
+    assert plan.gpus_used == 1 and plan.shared_gpus() == {"cuda:0": ["bge-m3", "bge-reranker-v2-m3"]}
+    assert "  cuda:0 shared by bge-m3, bge-reranker-v2-m3" in plan.lines()
+    print("\n" + "\n".join(plan.lines()))
+
+
+def test_gpus_are_shared_only_within_half_their_memory_and_only_when_it_is_known():
+    two_7b = [ModelRequest(n, "cuda", replicas=1, weight_bytes=15 * GIB) for n in ("a", "b")]
+    with pytest.raises(PlanError, match=r"b's replica 0 \(15.0 GiB checkpoint\) does not fit on any GPU"):
+        plan_resources(two_7b, Machine(cores=16, gpus=1, gpu_memory=40 * GIB))  # 20 GiB for checkpoints
+    (a, b) = plan_resources(two_7b, Machine(cores=16, gpus=1, gpu_memory=80 * GIB)).models
+    assert a.devices == b.devices == (("cuda:0",),)
+    with pytest.raises(PlanError, match="the GPUs' memory is unknown"):
+        plan_resources(two_7b, Machine(cores=16, gpus=1))
+    # Never two replicas of one model on a GPU: that is still a GPU each.
+    with pytest.raises(
+        PlanError, match="a's replica 1 .* does not fit on any GPU without another of its replicas"
+    ):
+        plan_resources(
+            [ModelRequest("a", "cuda", replicas=2, weight_bytes=GIB)], Machine(16, 1, gpu_memory=H200)
+        )
+    # Tensor-parallel ranks never share.
+    with pytest.raises(PlanError, match="the tensor-parallel replicas alone need 4"):
+        plan_resources([ModelRequest("m", "cuda", 2, replicas=2)], Machine(16, gpus=2, gpu_memory=H200))
+    # Enough GPUs: one each, as before, however much memory there is.
+    plan = plan_resources(two_7b, Machine(cores=16, gpus=2, gpu_memory=H200))
+    assert [m.devices for m in plan.models] == [(("cuda:0",),), (("cuda:1",),)] and not plan.shared_gpus()
+
+
+def test_tensor_parallel_replicas_keep_their_gpus_and_the_others_share_the_rest():
+    plan = plan_resources(
+        [
+            ModelRequest("big", "cuda", tensor_parallel_size=2, replicas=1, weight_bytes=30 * GIB),
+            ModelRequest("embedder", "cuda", replicas=2, weight_bytes=GIB),
+            ModelRequest("reranker", "cuda", replicas=1, weight_bytes=GIB),
+        ],
+        Machine(cores=32, gpus=4, gpu_memory=80 * GIB),
+    )
+    big, embedder, reranker = plan.models
+    assert big.devices == (("cuda:0", "cuda:1"),)
+    assert embedder.devices == (("cuda:2",), ("cuda:3",)) and reranker.devices == (("cuda:2",),)
+    assert plan.gpus_used == 4
+
+
+def test_front_ends_keep_a_core_each_and_tokenizer_threads_are_counted():
+    """Was: --http-processes 4 on 16 cores gave the workers all 16 cores (8 threads each), the front ends
+    none, and the plan said nothing of either."""
+    model = [ModelRequest("mini", "cpu", replicas=2, weight_bytes=MINILM_BYTES)]
+    alone = plan_resources(model, Machine(cores=16))
+    assert alone.models[0].num_threads == 8 and alone.tokenizer_threads == 2  # one process, 2 threads
+    plan = plan_resources(model, Machine(cores=16), frontends=4)
+    assert plan.models[0].num_threads == 6 and plan.threads == 12 and plan.frontend_cores == 4
+    assert plan.tokenizer_threads == 2 * 5  # the engine process's and each front end's
+    assert plan.lines()[-1].endswith("; 4 HTTP processes (4 cores kept for them); 10 tokenization threads")
+    info = plan.info()
+    assert (info["http_processes"], info["frontend_cores"], info["tokenizer_threads"]) == (4, 4, 10)
+    # Two cores, two workers, two front ends: no core to keep; planned, with a warning.
+    plan = plan_resources(model, TWO_CORES, frontends=2)
+    assert plan.models[0].num_threads == 1 and plan.frontend_cores == 0
+    assert "  warning: 2 threads and 2 HTTP processes on 2 cores" in plan.lines()[-1]
+    print("\n" + "\n".join(plan.lines()))

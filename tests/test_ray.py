@@ -1,7 +1,13 @@
-"""Ray Data: `EmbedBatches` on a local Ray cluster started here (2 CPUs), two actors, a small dataset;
-the vectors equal `Embedder.encode` over the same texts, bit for bit, whatever actor embedded them."""
+"""Ray Data: `EmbedBatches` on a local Ray cluster started here (2 CPUs, one ray.init for the module), over a
+real read (`read_parquet`, whose read tasks need a CPU of their own) with the pool `actor_pool` sizes: the
+actors' CPUs leave one CPU free (two actors of 0.5 CPU each here). Actors that take every CPU leave the read
+tasks none and the job stalls without an error: `actor_pool` refuses such a pool, and the pipeline runs on a
+thread that fails the test, instead of hanging it, when nothing comes back in PIPELINE_TIMEOUT_S. The vectors equal `Embedder.encode`
+over the same texts, to the tolerance a vector's batch allows (tests/test_offline.py's resume test)."""
 
 from __future__ import annotations
+
+import concurrent.futures
 
 import numpy as np
 import pytest
@@ -10,40 +16,69 @@ from embed_service import Embedder
 from tests.server import read_corpus
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'embed-service[ray]')")
+pa = pytest.importorskip("pyarrow")
 
 TEXTS = read_corpus("queries.jsonl", 48)
+CLUSTER_CPUS = 2
+PIPELINE_TIMEOUT_S = 600  # a stall, not a speed: a loaded 2-core machine runs this in well under it
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=CLUSTER_CPUS, include_dashboard=False, log_to_driver=False)
     try:
         yield
     finally:
         ray.shutdown()
 
 
-def test_map_batches_on_an_actor_pool(cluster):
-    from ray.data import ActorPoolStrategy
+def test_map_batches_over_read_parquet_with_the_documented_sizing(cluster, tmp_path):
+    import pyarrow.parquet as pq
 
-    from embed_service.ray import EmbedBatches
+    from embed_service.ray import EmbedBatches, actor_pool
 
-    ds = ray.data.from_items([{"id": i, "text": t} for i, t in enumerate(TEXTS)], override_num_blocks=4)
-    out = ds.map_batches(
-        EmbedBatches,
-        fn_constructor_kwargs={
-            "dtype": "float32",
-            "data_parallel_size": 1,
-            "num_threads": 1,
-            "dimensions": 128,
-        },
-        compute=ActorPoolStrategy(size=2),
-        batch_size=8,
-        num_cpus=1,
-    )
-    rows = sorted(out.take_all(), key=lambda r: r["id"])
+    source = tmp_path / "docs"
+    source.mkdir()
+    for part in range(2):  # two files of two row groups: several read tasks
+        rows = range(part * 24, part * 24 + 24)
+        table = pa.table({"id": list(rows), "text": [TEXTS[i] for i in rows]})
+        pq.write_table(table, source / f"part-{part}.parquet", row_group_size=12)
+    pool = actor_pool(cpus_per_actor=0.5)
+    assert pool["compute"].min_size == 2 and pool["num_cpus"] == 0.5  # (2 - 1) CPUs / 0.5
+
+    def pipeline() -> list[dict]:
+        ds = ray.data.read_parquet(str(source), override_num_blocks=4).map_batches(
+            EmbedBatches,
+            fn_constructor_kwargs={
+                "dtype": "float32",
+                "data_parallel_size": 1,
+                "num_threads": 1,
+                "dimensions": 128,
+            },
+            batch_size=8,
+            **pool,
+        )
+        return ds.take_all()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:
+        try:
+            rows = thread.submit(pipeline).result(timeout=PIPELINE_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            ray.shutdown()  # unblocks the pipeline's thread
+            pytest.fail(f"no result in {PIPELINE_TIMEOUT_S} s: the read tasks found no free CPU")
+    rows.sort(key=lambda r: r["id"])
     assert [r["id"] for r in rows] == list(range(len(TEXTS)))
     vectors = np.stack([r["embedding"] for r in rows])
     with Embedder(dtype="float32", data_parallel_size=1, num_threads=1) as embedder:
         expected = embedder.encode(TEXTS, dimensions=128)
-    assert vectors.dtype == np.float32 and vectors.tobytes() == expected.tobytes()
+    assert vectors.dtype == np.float32 and vectors.shape == expected.shape
+    assert np.abs(vectors - expected).max() <= 1e-5
+
+
+def test_a_pool_that_takes_every_cpu_is_refused(cluster):
+    """The sizing that stalled with read_parquet: two actors of one CPU on a 2-CPU cluster."""
+    from embed_service.ray import actor_pool
+
+    with pytest.raises(ValueError, match="2 actors of 1 CPUs leave Ray Data's read and write tasks less"):
+        actor_pool(cpus_per_actor=1, actors=2)
+    assert actor_pool(cpus_per_actor=1)["compute"].min_size == 1

@@ -25,7 +25,7 @@ from embed_service.parallel import check_shardable
 from tests.models import smollm2
 from tests.models.test_families import CASES
 from tests.models.tiny import Tiny, build, texts
-from tests.server import ServerProcess, read_corpus
+from tests.server import HANG_S, ServerProcess, read_corpus
 
 TEXTS = texts()
 
@@ -275,7 +275,7 @@ def check_worker_killed_under_load(server: ServerProcess, rank: int) -> None:
         killed_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         unhealthy_at, health = None, None
-        while unhealthy_at is None and time.monotonic() - killed_at < 10:
+        while unhealthy_at is None and time.monotonic() - killed_at < HANG_S:
             r = httpx.get(server.url + "/health", timeout=5)
             if r.status_code == 503:
                 unhealthy_at, health = time.monotonic(), r.json()
@@ -294,7 +294,8 @@ def check_worker_killed_under_load(server: ServerProcess, rank: int) -> None:
         f"worker {rank} SIGKILL: /health 503 after {unhealthy_at - killed_at:.3f}s, "
         f"200 again after {recovered_at - killed_at:.2f}s (the group restarted)"
     )
-    assert unhealthy_at - killed_at <= 5
+    # Seen by the group's watcher on the process's exit, not by a clock: the reason names the signal (the
+    # heartbeat, 5 s, would say "stopped responding"; the batch deadline, "did not answer").
     assert health == {"status": "restarting", "reason": f"worker {rank} (pid {victim}) was killed by SIGKILL"}
     done = [o for per_client in outcomes for o in per_client]
     assert any(o.status == 200 for o in done)  # it served before the death

@@ -70,7 +70,7 @@ def endpoint_url(url: str) -> str:
 
 
 def read_texts(path: str | Path, n: int) -> list[str]:
-    texts = []
+    texts: list[str] = []
     with open(path, encoding="utf-8") as f:
         for line in f:
             if len(texts) >= n:

@@ -223,8 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# The settings `encode` takes: the engine's, not the HTTP server's.
+# The settings `encode` takes: the engine's, not the HTTP server's (and --config, a file of them).
 ENCODE_SETTINGS = (
+    "config",
     "model",
     "revision",
     "device",
@@ -260,13 +261,24 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
-def _encode(args: argparse.Namespace, settings: dict[str, Any]) -> int:
+def encode_settings(values: dict[str, Any]) -> Settings:
+    """`encode`'s one model's settings: its flags (`values`, by name), over the --config file (its top level,
+    or its one model), over the EMBED_* variables, as `serve` resolves them. Raises Refusal."""
+    config = serve_config(dict(values))
+    if len(config.models) > 1:
+        raise Refusal(
+            [f"--config {config.server.config}: encode embeds with one model, the file lists several"]
+        )
+    return config.models[0]
+
+
+def _encode(args: argparse.Namespace, values: dict[str, Any]) -> int:
     from embed_service import offline
 
-    try:
-        Settings(**settings)  # the settings' refusals as serve gives them, before the input is read
-    except (ValidationError, SettingsError) as exc:
-        for line in settings_errors(exc, settings):
+    try:  # the settings' refusals as serve gives them, before the input is read
+        settings = encode_settings(values)
+    except Refusal as exc:
+        for line in exc.lines:
             print(f"embed-service: {line}", file=sys.stderr)
         return 2
     try:

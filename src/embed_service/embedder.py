@@ -10,16 +10,22 @@ that lives until `close()`: `encode` blocks the calling thread on it, `aencode` 
 loop. The worker processes are started from that thread and the kernel kills them when it ends
 (PR_SET_PDEATHSIG), so a process that exits without `close()` leaves none behind.
 
-Worker processes are started with multiprocessing's "spawn": a script that builds an Embedder at import
-time must do so under ``if __name__ == "__main__":``.
+Worker processes are started with multiprocessing's "spawn", which imports the main script again in each
+worker: a script that builds an Embedder at import time must do so under ``if __name__ == "__main__":``.
+Without it, the Embedder that import builds in a worker sees that it is inside a worker's start-up
+(`_in_spawn_bootstrap`) and exits it with UNGUARDED_EXIT_CODE, and the script's own Embedder turns that
+exit into one RuntimeError saying where the guard goes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import re
+import sys
 import threading
+import time
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
@@ -47,7 +53,19 @@ T = TypeVar("T")
 # replica's queue full, large enough that the per-call overhead (a few hundred microseconds) is noise.
 PIECE_INPUTS = 512
 PIECES_IN_FLIGHT = 3
-OVERLOADED_RETRY_S = 0.02  # another caller holds the capacity: wait for it rather than fail (no 429 here)
+# Another caller of this Embedder (a thread, a task) holds the engine's capacity: a piece waits for room
+# rather than fail with the server's 429, retrying every OVERLOADED_RETRY_S seconds at first and backing
+# off to OVERLOADED_RETRY_MAX_S, for at most OVERLOADED_WAIT_S seconds in all; then OverloadedError.
+OVERLOADED_RETRY_S = 0.02
+OVERLOADED_RETRY_MAX_S = 1.0
+OVERLOADED_WAIT_S = 600.0
+# A worker that finds itself building an Embedder while spawn imports the main script exits with this
+# code; the parent's Embedder recognises it (see the module docstring).
+UNGUARDED_EXIT_CODE = 87
+UNGUARDED_MESSAGE = (
+    "Embedder() ran again in a worker process, which imports the main script: put the code that builds it "
+    'under `if __name__ == "__main__":` (worker processes are started with spawn)'
+)
 
 _INDEX = re.compile(r"^input (\d+)\b")
 
@@ -125,13 +143,17 @@ class Embedder:
     """
 
     def __init__(self, model: str | os.PathLike[str] | None = None, **options: Any):
+        if _in_spawn_bootstrap():
+            raise SystemExit(UNGUARDED_EXIT_CODE)  # silently: the parent says what to do, once
         unknown = sorted(set(options) - set(Settings.model_fields) - {"model"})
         if unknown:
             raise TypeError(
                 f"Embedder() got unknown options {', '.join(unknown)}; the options are the server's "
                 "settings (docs/configuration.md)"
             )
-        self.settings = Settings(model=os.fspath(model) if model is not None else None, **options)
+        if model is not None:  # None: the EMBED_MODEL variable, else the packaged model (a None would win)
+            options["model"] = os.fspath(model)
+        self.settings = Settings(**options)
         self._loop = _Loop()
         self._finalizer = weakref.finalize(self, self._loop.close)
         try:
@@ -374,10 +396,20 @@ async def _start(settings: Settings) -> Engine:
         raise ValueError(str(exc.code).removeprefix("embed-service: ")) from None
     try:
         await engine.start()
-    except BaseException:
+    except BaseException as exc:
         await engine.close()
+        if f"exited with code {UNGUARDED_EXIT_CODE} while loading" in str(exc):
+            raise RuntimeError(UNGUARDED_MESSAGE) from None
         raise
     return engine
+
+
+def _in_spawn_bootstrap() -> bool:
+    """Whether this process is a spawned worker still importing the parent's main script (multiprocessing
+    sets `_inheriting` for that phase; the script's module is then ``__mp_main__``)."""
+    return bool(getattr(multiprocessing.current_process(), "_inheriting", False)) and (
+        "__mp_main__" in sys.modules
+    )
 
 
 def _given(options: dict[str, Any]) -> dict[str, Any]:
@@ -456,11 +488,20 @@ async def _in_pieces(
 
     async def one(start: int, end: int) -> T:
         async with gate:
+            deadline, pause = time.monotonic() + OVERLOADED_WAIT_S, OVERLOADED_RETRY_S
             while True:
                 try:
                     return await call(inputs[start:end])
-                except OverloadedError:  # refused at admission, before any work: wait for room
-                    await asyncio.sleep(OVERLOADED_RETRY_S)
+                except OverloadedError as exc:  # refused at admission, before any work: wait for room
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise OverloadedError(
+                            f"{str(exc).removesuffix('; retry shortly')}: no room for inputs {start}..{end - 1} "
+                            f"within {OVERLOADED_WAIT_S:g} s (other callers of this Embedder hold its "
+                            "capacity, max_concurrent_requests)"
+                        ) from None
+                    await asyncio.sleep(min(pause, left))
+                    pause = min(pause * 2, OVERLOADED_RETRY_MAX_S)
                 except EngineError as exc:
                     raise rebased(exc, start) from None
 

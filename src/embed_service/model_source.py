@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m embed_service.model_source MODEL [REVISION]", file=sys.stderr)
         return 2
     try:
-        source = resolve_model(*args)
+        source = resolve_model(args[0], args[1] if len(args) > 1 else None)
     except ModelSourceError as exc:
         print(f"embed-service: {exc}", file=sys.stderr)
         return 1

@@ -1,8 +1,8 @@
 """`embed-service encode INPUT OUTPUT`: embed a file of texts with an `Embedder`, no server in the loop.
 
-In: JSON lines, CSV, Parquet or plain text (one text a line), read in chunks of ``--chunk-rows`` rows;
-the text from ``--text-field`` and, with ``--id-field``, an id kept beside each vector (else the row
-number). Out: Parquet (an id column and an ``embedding`` column of fixed-size lists) or ``.npy`` (the
+In: JSON lines, CSV, Parquet or plain text (one text a line), read in chunks of ``--chunk-rows`` rows
+(offline_input.py); the text from ``--text-field`` and, with ``--id-field``, an id kept beside each vector,
+one type for the whole job (else the row's index, from 0). Out: Parquet (an id column and an ``embedding`` column of fixed-size lists) or ``.npy`` (the
 (n, D) array, and the ids in ``<stem>.ids.npy``).
 
 Bounded memory: a few chunks are held at a time (read, in the engine, being written), whatever the size of
@@ -13,8 +13,12 @@ Resumable: each chunk is written as its own Parquet file in ``OUTPUT.parts/`` (t
 renamed: a kill mid-write leaves a temporary file, never half a chunk). A rerun with the same input and
 options counts the rows of the parts there, skips that many input rows and goes on; when every row is in,
 the parts are joined into OUTPUT (one part at a time, to a temporary name, then renamed) and removed.
-``OUTPUT.parts/job.json`` records the input and options, so a rerun with other ones is refused instead of
-mixing vectors of two jobs.
+``OUTPUT.parts/job.json`` records the input (its path, size and mtime), the options, the settings that
+change the vectors as resolved from flags, --config and ``EMBED_*`` variables, and what the engine made of
+them (the model's folder, dtype, device, max input length): a rerun with other ones is refused instead of
+mixing vectors of two jobs. Each part records the hash of the input's rows up to its last one; a rerun
+hashes the rows it skips and refuses an input whose rows are not the ones embedded (rewritten in place,
+reordered), whatever its size and mtime. A job that fails says whether its parts are kept for a rerun.
 """
 
 from __future__ import annotations
@@ -23,248 +27,122 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import sys
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from embed_service.embedder import Embedder, rebased
+from embed_service.config import Settings
+from embed_service.embedder import Embedder
 from embed_service.engine.errors import EngineError
+from embed_service.offline_input import (
+    FORMATS,
+    Chunk,
+    JobError,
+    OtherJobError,
+    Reader,
+    count_rows,
+    input_format,
+    pyarrow,
+)
 
-FORMATS = ("jsonl", "csv", "parquet", "text")
-SUFFIXES = {
-    ".jsonl": "jsonl",
-    ".json": "jsonl",
-    ".ndjson": "jsonl",
-    ".csv": "csv",
-    ".parquet": "parquet",
-    ".txt": "text",
-}
+__all__ = ["JobError", "Parts", "add_arguments", "ids_file", "run"]
+
 CHUNKS_IN_FLIGHT = 2
-ROW_COLUMN = "row"  # the id column when the input names none: the row's number in the input
+ROW_COLUMN = "row"  # the id column when the input names none: the row's index in the input, from 0
 EMBEDDING_COLUMN = "embedding"
-# The settings that change the vectors: a rerun with others is refused (threads, replicas and batch sizes
-# do not change them).
-RESULT_SETTINGS = ("model", "revision", "dtype", "device", "max_input_length")
-
-
-class JobError(Exception):
-    """A job that cannot run as asked: its one line goes to stderr, the exit code is 2."""
-
-
-@dataclass
-class Chunk:
-    first: int  # the row number of texts[0] (rows counted from 0, after skipped blank lines)
-    texts: list[str]
-    ids: list[Any] | None  # None: the row numbers
-
-
-def _pyarrow() -> Any:
-    try:
-        import pyarrow
-    except ImportError:
-        raise JobError("Parquet and CSV need pyarrow: pip install 'embed-service[offline]'") from None
-    return pyarrow
-
-
-# --- reading -------------------------------------------------------------------------------------
-
-
-def input_format(path: Path, given: str | None) -> str:
-    if given:
-        return given
-    try:
-        return SUFFIXES[path.suffix.lower()]
-    except KeyError:
-        raise JobError(
-            f"cannot tell the format of {path} from its suffix; give --input-format ({', '.join(FORMATS)})"
-        ) from None
-
-
-def _lines(path: Path) -> Iterator[bytes]:
-    """The non-blank lines of a text or JSON-lines file, without their line ends."""
-    with open(path, "rb") as f:
-        for line in f:
-            line = line.rstrip(b"\r\n")
-            if line.strip():
-                yield line
-
-
-def _records(
-    path: Path, fmt: str, text_field: str, id_field: str | None, chunk_rows: int
-) -> Iterator[tuple[list, list | None]]:
-    """(texts, ids) in batches of any size, in input order."""
-    if fmt == "text":
-        batch: list[str] = []
-        for line in _lines(path):
-            batch.append(line.decode("utf-8"))
-            if len(batch) >= chunk_rows:
-                yield batch, None
-                batch = []
-        if batch:
-            yield batch, None
-        return
-    if fmt == "jsonl":
-        import orjson
-
-        texts: list[Any] = []
-        ids: list[Any] = []
-        for n, line in enumerate(_lines(path)):
-            try:
-                record = orjson.loads(line)
-            except orjson.JSONDecodeError as exc:
-                raise JobError(f"{path}: row {n} is not JSON: {exc}") from None
-            if not isinstance(record, dict):
-                raise JobError(f"{path}: row {n} is not a JSON object")
-            texts.append(record.get(text_field))
-            if id_field is not None:
-                ids.append(record.get(id_field))
-            if len(texts) >= chunk_rows:
-                yield texts, ids if id_field is not None else None
-                texts, ids = [], []
-        if texts:
-            yield texts, ids if id_field is not None else None
-        return
-    columns = [text_field] + ([id_field] if id_field is not None else [])
-    for table in _arrow_batches(path, fmt, columns, chunk_rows):
-        missing = [c for c in columns if c not in table.schema.names]
-        if missing:
-            raise JobError(
-                f"{path} has no column {missing[0]!r}; its columns: {', '.join(table.schema.names)}"
-            )
-        yield table.column(text_field).to_pylist(), table.column(id_field).to_pylist() if id_field else None
-
-
-def _arrow_batches(path: Path, fmt: str, columns: list[str], chunk_rows: int) -> Iterator[Any]:
-    pa = _pyarrow()
-    if fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        f = pq.ParquetFile(path)
-        have = f.schema_arrow.names
-        missing = [c for c in columns if c not in have]
-        if missing:
-            raise JobError(f"{path} has no column {missing[0]!r}; its columns: {', '.join(have)}")
-        for batch in f.iter_batches(batch_size=chunk_rows, columns=columns):
-            yield pa.Table.from_batches([batch])
-        return
-    import pyarrow.csv as pcsv
-
-    try:
-        reader = pcsv.open_csv(path, convert_options=pcsv.ConvertOptions(include_columns=columns))
-    except pa.ArrowInvalid as exc:
-        raise JobError(f"{path}: {exc}") from None
-    for batch in reader:
-        yield pa.Table.from_batches([batch])
-
-
-def count_rows(path: Path, fmt: str, text_field: str) -> int | None:
-    """The input's rows, for the progress bar's ETA: Parquet's metadata, else one pass reading only what
-    counts (lines, or the CSV's text column)."""
-    if fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        return int(pq.ParquetFile(path).metadata.num_rows)
-    if fmt in ("text", "jsonl"):
-        return sum(1 for _ in _lines(path))
-    try:
-        return sum(t.num_rows for t in _arrow_batches(path, fmt, [text_field], 65536))
-    except Exception:
-        return None
-
-
-def read_chunks(
-    path: Path, fmt: str, text_field: str, id_field: str | None, chunk_rows: int, skip: int
-) -> Iterator[Chunk]:
-    """The input from row `skip` on, as chunks of exactly `chunk_rows` rows (the last may be shorter):
-    chunk boundaries do not depend on how the reader batches, so the parts of a rerun line up."""
-    texts: list[Any] = []
-    ids: list[Any] = []
-    row = 0  # rows read so far
-    for batch_texts, batch_ids in _records(path, fmt, text_field, id_field, chunk_rows):
-        n = len(batch_texts)
-        if row + n <= skip:
-            row += n
-            continue
-        start = max(0, skip - row)
-        texts += batch_texts[start:]
-        ids += (batch_ids or [])[start:]
-        row += n
-        while len(texts) >= chunk_rows:
-            first = row - len(texts)
-            yield _chunk(path, first, texts[:chunk_rows], ids[:chunk_rows] if id_field else None, text_field)
-            texts, ids = texts[chunk_rows:], ids[chunk_rows:]
-    if texts:
-        yield _chunk(path, row - len(texts), texts, ids if id_field else None, text_field)
-
-
-def _chunk(path: Path, first: int, texts: list[Any], ids: list[Any] | None, field: str) -> Chunk:
-    for i, text in enumerate(texts):
-        if not isinstance(text, str) or not text:
-            what = (
-                "missing" if text is None else "empty" if text == "" else f"a {type(text).__name__}, not text"
-            )
-            raise JobError(f"{path}: row {first + i}: the {field!r} field is {what}")
-    return Chunk(first, texts, ids)
+DIGEST_KEY = b"embed_service.rows_sha256"  # a part's metadata: the hash of the input's rows up to its last
+# The settings that change the vectors, as given (the engine's resolution of model, dtype, device and max
+# input length is recorded beside them, see `engine_record`): a rerun with others is refused. Threads,
+# replicas and batch sizes do not change them.
+RESULT_SETTINGS = ("revision", "chunk_long_inputs", "chunk_overlap", "max_chunks_per_input")
+_INPUT_INDEX = re.compile(r"^input (\d+)\b")
 
 
 # --- writing -------------------------------------------------------------------------------------
 
 
 class Parts:
-    """The chunks written so far, one Parquet file each, in OUTPUT.parts/ (see the module docstring)."""
+    """The chunks written so far, one Parquet file each, in OUTPUT.parts/ (see the module docstring).
 
-    def __init__(self, output: Path, job: dict[str, Any], overwrite: bool):
+    `claim(job)` records the job in job.json, or checks that the one recorded is the same (a JobError names
+    what differs); `check_engine` does the same, once the engine is up, for what it resolved."""
+
+    def __init__(self, output: Path, overwrite: bool):
         self.output = output
         self.dir = output.with_name(output.name + ".parts")
         if output.exists() and not self.dir.exists() and not overwrite:
             raise JobError(f"{output} exists; --overwrite to replace it")
         if self.dir.exists() and overwrite:
             shutil.rmtree(self.dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        record = self.dir / "job.json"
-        if record.exists():
-            before = json.loads(record.read_text())
-            if before != job:
-                changed = sorted(k for k in {**before, **job} if before.get(k) != job.get(k))
-                raise JobError(
-                    f"{self.dir} holds a job with other settings ({', '.join(changed)} differ); rerun with "
-                    "the same ones to resume, or --overwrite to start again"
-                )
-        else:
-            _atomic_write(record, json.dumps(job, indent=1, sort_keys=True).encode())
-        for stale in self.dir.glob("*.tmp"):  # a write a kill interrupted
-            stale.unlink()
-        self.files = sorted(self.dir.glob("part-*.parquet"))
+        self.record = self.dir / "job.json"
+        self.before: dict[str, Any] | None = (
+            json.loads(self.record.read_text()) if self.record.exists() else None
+        )
+        self.files = sorted(self.dir.glob("part-*.parquet")) if self.dir.exists() else []
         import pyarrow.parquet as pq
 
-        self.rows = sum(pq.read_metadata(f).num_rows for f in self.files)
+        metas = [pq.read_metadata(f) for f in self.files]
+        self.rows = sum(m.num_rows for m in metas)
+        self.digest = (metas[-1].metadata or {}).get(DIGEST_KEY, b"").decode() if metas else None
+        self.id_type = pq.read_schema(self.files[0]).field(0).type if self.files else None
+
+    def claim(self, job: dict[str, Any]) -> None:
+        if self.before is not None:
+            _same_job(self.dir, self.before, job, ("input", "options", "settings"))
+            self.job = self.before  # the input's size and mtime as when the job began
+        else:
+            self.job = job
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.dir.glob("*.tmp"):  # a write a kill interrupted
+            stale.unlink()
+        self._save()
+
+    def check_engine(self, engine: dict[str, Any]) -> None:
+        if "engine" in self.job:
+            _same_job(self.dir, self.job, {"engine": engine}, ("engine",))
+        else:
+            self.job["engine"] = engine
+            self._save()
+
+    def _save(self) -> None:
+        _atomic_write(self.record, json.dumps(self.job, indent=1, sort_keys=True).encode())
 
     def write(self, chunk: Chunk, vectors: np.ndarray, id_name: str) -> None:
-        pa = _pyarrow()
+        pa = pyarrow()
         import pyarrow.parquet as pq
 
         ids = (
-            pa.array(chunk.ids)
+            chunk.ids
             if chunk.ids is not None
             else pa.array(range(chunk.first, chunk.first + len(chunk.texts)), pa.int64())
         )
         flat = pa.array(np.ascontiguousarray(vectors).reshape(-1))
         table = pa.table(
             {id_name: ids, EMBEDDING_COLUMN: pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1])}
-        )
+        ).replace_schema_metadata({DIGEST_KEY: chunk.digest.encode()})
         path = self.dir / f"part-{chunk.first:012d}.parquet"
         tmp = path.with_name(path.name + ".tmp")
         pq.write_table(table, tmp)
         _fsync_replace(tmp, path)
         self.files.append(path)
         self.rows += len(chunk.texts)
+
+    def left_behind(self) -> str:
+        """What a failed job leaves, for its last line: the parts a rerun resumes from, or nothing."""
+        if not self.rows:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            return "nothing was written"
+        return (
+            f"{self.dir} keeps the {self.rows} rows written: the same command resumes after them "
+            "(--overwrite starts again)"
+        )
 
     def finish(self, kind: str) -> None:
         """Join the parts into OUTPUT (Parquet, or .npy and its ids), then remove them."""
@@ -274,7 +152,7 @@ class Parts:
         if kind == "parquet":
             writer = None
             for f in self.files:
-                table = pq.read_table(f)
+                table = pq.read_table(f).replace_schema_metadata(None)
                 if writer is None:
                     writer = pq.ParquetWriter(tmp, table.schema)
                 writer.write_table(table)
@@ -309,6 +187,32 @@ class Parts:
             _fsync_replace(ids_tmp, ids_path)
             _fsync_replace(tmp, self.output)  # last: OUTPUT present means the job is done
         shutil.rmtree(self.dir)
+
+
+def _same_job(folder: Path, before: dict[str, Any], now: dict[str, Any], keys: tuple[str, ...]) -> None:
+    """Refuse, naming what differs, when the job recorded in `folder` is not this one (in `keys`)."""
+    changed = []
+    for key in keys:
+        a, b = before.get(key), now.get(key)
+        if not (isinstance(a, dict) and isinstance(b, dict)):  # a record of another version, or none
+            if a != b:
+                changed.append(f"{key}: {a!r} then, {b!r} now")
+            continue
+        for name in sorted({**a, **b}):
+            if name in IDENTITY_ONLY and key == "input":
+                continue
+            if a.get(name) != b.get(name):
+                changed.append(f"{name}: {a.get(name)!r} then, {b.get(name)!r} now")
+    if changed:
+        raise OtherJobError(
+            f"{folder} holds a job with other settings ({'; '.join(changed)}); rerun with the same ones to "
+            "resume, or --overwrite to start again"
+        )
+
+
+# Recorded with the input, not compared: the rows' hash decides whether the input is the one embedded (a
+# copy with another mtime resumes; a file rewritten in place, even to the same size, does not).
+IDENTITY_ONLY = ("size", "mtime_ns")
 
 
 def ids_file(output: Path) -> Path:
@@ -377,16 +281,22 @@ async def _embed_chunks(
         chunk, future = pending.popleft()
         try:
             result = await future
-        except EngineError as exc:  # the rows are the inputs: name the row, counted from 0 in the input
-            raise JobError(f"{source}: {rebased(exc, chunk.first)}") from None
+        except EngineError as exc:  # the engine names the input by its index in the chunk: name the row
+            message = _INPUT_INDEX.sub(lambda m: chunk.where(int(m.group(1))), str(exc))
+            raise JobError(f"{source}: {message}") from None
         parts.write(chunk, result.embeddings, id_name)
         progress.update(len(chunk.texts), result.prompt_tokens)
 
     try:
-        for chunk in chunks:
-            pending.append((chunk, asyncio.ensure_future(embedder.aembed(chunk.texts, **options))))
-            if len(pending) >= CHUNKS_IN_FLIGHT:
+        try:
+            for chunk in chunks:
+                pending.append((chunk, asyncio.ensure_future(embedder.aembed(chunk.texts, **options))))
+                if len(pending) >= CHUNKS_IN_FLIGHT:
+                    await write_oldest()
+        except JobError:  # a bad row ahead: the chunks before it are embedded already, keep them
+            while pending:
                 await write_oldest()
+            raise
         while pending:
             await write_oldest()
     finally:
@@ -394,21 +304,47 @@ async def _embed_chunks(
             future.cancel()
 
 
-def run(args: argparse.Namespace, settings: dict[str, Any], embedder: Embedder | None = None) -> int:
-    """The job. `settings`: the engine settings given on the command line; `embedder`: one built from them
-    already (tests share one), else the job builds its own once the input and output are checked."""
+def _then(before: dict[str, Any], now: dict[str, Any]) -> str:
+    """How the input differs from when the job began, in size and modification time (or nothing)."""
+    changes = []
+    if before.get("size") != now["size"]:
+        changes.append(f"{before.get('size')} bytes then, {now['size']} now")
+    if before.get("mtime_ns") != now["mtime_ns"]:
+        stamp = lambda ns: time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ns / 1e9)) if ns else "?"  # noqa: E731
+        changes.append(f"modified {stamp(before.get('mtime_ns'))} then, {stamp(now['mtime_ns'])} UTC now")
+    return f" ({'; '.join(changes)})" if changes else ""
+
+
+def engine_record(embedder: Embedder) -> dict[str, Any]:
+    """What the engine resolved that changes the vectors: the model's folder and the dtype, device and max
+    input length it runs with (``--dtype auto`` is bfloat16 on one machine, float32 on another)."""
+    info = embedder.info
+    keys = ("model_path", "dtype", "device", "max_input_length", "dimension", "tensor_parallel_size")
+    return {k: info.get(k) for k in keys}
+
+
+def run(
+    args: argparse.Namespace, settings: Settings | dict[str, Any] | None, embedder: Embedder | None = None
+) -> int:
+    """The job. `settings`: the engine's (flags, --config, EMBED_* variables resolved: cli.encode_settings;
+    a dict is resolved here); `embedder`: one started already (tests share one), whose settings then count,
+    else the job builds its own once the input and output are checked."""
     source, output = Path(args.input), Path(args.output)
     if not source.is_file():
         raise JobError(f"{source}: no such file")
     fmt = input_format(source, args.input_format)
     kind = output_kind(output)
-    _pyarrow()  # the parts are Parquet files, whatever the input and the output
+    pyarrow()  # the parts are Parquet files, whatever the input and the output
     if args.chunk_rows < 1:
         raise JobError("--chunk-rows must be at least 1")
     if fmt == "text" and args.id_field:
         raise JobError(
             "--id-field applies to JSON lines, CSV and Parquet; a text file's ids are its row numbers"
         )
+    if embedder is not None:
+        resolved = embedder.settings
+    else:
+        resolved = settings if isinstance(settings, Settings) else Settings(**(settings or {}))
     options = {
         "dimensions": args.dimensions,
         "normalize": args.normalize,
@@ -417,33 +353,56 @@ def run(args: argparse.Namespace, settings: dict[str, Any], embedder: Embedder |
         "truncate": args.truncate,
         "embed_dtype": args.embed_dtype,
     }
+    stat = source.stat()
     job = {
-        "input": str(source.resolve()),
-        "input_format": fmt,
-        "text_field": args.text_field,
-        "id_field": args.id_field,
+        "input": {
+            "path": str(source.resolve()),
+            "format": fmt,
+            "text_field": args.text_field,
+            "id_field": args.id_field,
+            "size": stat.st_size,
+            "mtime_ns": stat.st_mtime_ns,
+        },
         "options": options,
-        "settings": {k: settings[k] for k in sorted(settings) if k in RESULT_SETTINGS},
+        "settings": {k: getattr(resolved, k) for k in RESULT_SETTINGS},
+        # As asked (informative): what the engine made of them is "engine", recorded once it is up.
+        "requested": {"model": resolved.model, "dtype": resolved.dtype, "device": resolved.device},
     }
-    parts = Parts(output, job, args.overwrite)
-    total = count_rows(source, fmt, args.text_field) if args.progress else None
-    if total is not None and parts.rows > total:
-        raise JobError(f"{parts.dir} holds {parts.rows} rows, more than the {total} of {source}")
-    owned = embedder is None
-    if embedder is None:
-        embedder = Embedder(**settings)
+    parts = Parts(output, args.overwrite)
+    parts.claim(job)
+    then = _then(parts.before["input"], job["input"]) if parts.before else ""
+    reader = Reader(
+        source, fmt, args.text_field, args.id_field, args.chunk_rows, parts.rows, parts.id_type, then
+    )
     try:
-        progress = Progress(total, parts.rows, args.progress)
-        try:
-            chunks = read_chunks(source, fmt, args.text_field, args.id_field, args.chunk_rows, parts.rows)
-            asyncio.run(
-                _embed_chunks(source, embedder, chunks, parts, options, args.id_field or ROW_COLUMN, progress)
+        total = count_rows(source, fmt, args.text_field) if args.progress else None
+        if total is not None and parts.rows > total:
+            raise OtherJobError(
+                f"{parts.dir} holds {parts.rows} rows, more than the {total} of {source}{then}; "
+                "--overwrite to start again"
             )
+        owned = embedder is None
+        if embedder is None:
+            embedder = Embedder(**resolved.model_dump())
+        try:
+            parts.check_engine(engine_record(embedder))
+            progress = Progress(total, parts.rows, args.progress)
+            try:
+                chunks = reader.chunks(expected=parts.digest)
+                id_name = args.id_field or ROW_COLUMN
+                asyncio.run(_embed_chunks(source, embedder, chunks, parts, options, id_name, progress))
+            finally:
+                progress.close()
         finally:
-            progress.close()
-    finally:
-        if owned:
-            embedder.close()
+            if owned:
+                embedder.close()
+    except OtherJobError:
+        raise
+    except JobError as exc:
+        raise JobError(f"{exc}; {parts.left_behind()}") from None
+    except BaseException:  # an interrupt, a model that cannot be served: say what is kept, then go on
+        print(f"embed-service: {parts.left_behind()}", file=sys.stderr)
+        raise
     parts.finish(kind)
     print(f"embed-service: wrote {parts.rows} rows to {output}", file=sys.stderr)
     return 0

@@ -1,22 +1,27 @@
-"""Ray Data: `EmbedBatches`, a callable class for ``Dataset.map_batches`` holding one `Embedder` per actor.
+"""Ray Data: `EmbedBatches`, a callable class for ``Dataset.map_batches`` holding one `Embedder` per actor, and
+`actor_pool`, the pool's sizing.
 
     import ray
-    from ray.data import ActorPoolStrategy
-    from embed_service.ray import EmbedBatches
+    from embed_service.ray import EmbedBatches, actor_pool
 
+    ray.init()
     ds = ray.data.read_parquet("s3://bucket/docs/")
     ds = ds.map_batches(
         EmbedBatches,
         fn_constructor_kwargs={"column": "text", "dtype": "float32"},
-        compute=ActorPoolStrategy(size=4),  # four actors, each with its own Embedder and workers
         batch_size=1024,
-        num_cpus=2,  # what each actor's Embedder may use (its workers' threads follow the machine's cores)
+        **actor_pool(cpus_per_actor=2),  # as many actors of 2 CPUs as fit, one CPU left for reading
     )
     ds.write_parquet("s3://bucket/embeddings/")
 
-Nothing here imports Ray: Ray imports this class on each actor, which builds its Embedder once (loading
-the model, starting its worker processes) and embeds every batch the actor gets. The same code runs on a
-laptop's ``ray.init()`` and on a KubeRay cluster (docs/offline.md). Install with the ``ray`` extra.
+Ray Data's read and write tasks need a CPU each (``num_cpus=1`` by default): a pool whose actors take every
+CPU of the cluster leaves them none, and the job makes no progress and raises nothing. `actor_pool` leaves
+``reserve_cpus`` free and refuses a pool that would not.
+
+Nothing here imports Ray at import time: Ray imports this class on each actor, which builds its Embedder
+once (loading the model, starting its worker processes) and embeds every batch the actor gets. The same
+code runs on a laptop's ``ray.init()`` and on a KubeRay cluster (docs/offline.md). Install with the ``ray``
+extra.
 """
 
 from __future__ import annotations
@@ -37,6 +42,28 @@ ENCODE_OPTIONS = (
     "embed_dtype",
     "embed_ranges",
 )
+
+
+def actor_pool(
+    cpus_per_actor: float = 1.0, actors: int | None = None, reserve_cpus: float = 1.0
+) -> dict[str, Any]:
+    """``map_batches`` keyword arguments (``compute``, ``num_cpus``) for a pool of `EmbedBatches` actors of
+    `cpus_per_actor` CPUs each that leaves `reserve_cpus` of the running cluster's CPUs to Ray Data's read
+    and write tasks. `actors`: the pool's size; None: as many as fit. Raises ValueError for a pool that
+    would take the reserved CPUs (it would stall: see the module docstring). Call it after ``ray.init()``."""
+    import ray
+    from ray.data import ActorPoolStrategy
+
+    total = float(ray.cluster_resources().get("CPU", 0))
+    fit = int((total - reserve_cpus) // cpus_per_actor) if cpus_per_actor > 0 else 0
+    size = fit if actors is None else actors
+    if size < 1 or size > fit:
+        raise ValueError(
+            f"{size} actors of {cpus_per_actor:g} CPUs leave Ray Data's read and write tasks less than "
+            f"{reserve_cpus:g} of the cluster's {total:g} CPUs, and the job would stall: at most {max(fit, 0)} "
+            "actors of that size, or fewer CPUs each"
+        )
+    return {"compute": ActorPoolStrategy(size=size), "num_cpus": cpus_per_actor}
 
 
 class EmbedBatches:

@@ -13,6 +13,7 @@ restarts keep failing does the process exit non-zero, so that an orchestrator re
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import sys
@@ -28,7 +29,7 @@ from embed_service.http_server import DrainingServer, uvicorn_config
 from embed_service.model_source import ModelSourceError, resolve_model
 from embed_service.models.checkpoint import check_model_files
 from embed_service.models.spec import ModelSpec, load_spec
-from embed_service.plan import Plan, PlanError, plan_resources
+from embed_service.plan import Machine, Plan, PlanError, plan_resources
 from embed_service.workers.device import resolve_device, this_machine
 
 log = logging.getLogger("embed_service")
@@ -111,14 +112,31 @@ def check_names(models: list[Prepared]) -> None:
             owner[name] = i
 
 
+def with_gpu_memory(machine: Machine) -> Machine:
+    """The machine with its smallest visible GPU's memory, which the plan needs to let models share a GPU.
+    Asked only when the models need more GPUs than there are: reading it initializes CUDA in this process,
+    which otherwise leaves CUDA to the workers."""
+    import torch
+
+    memory = min(torch.cuda.get_device_properties(i).total_memory for i in range(machine.gpus))
+    return dataclasses.replace(machine, gpu_memory=memory)
+
+
 def build_engines(config: ServeConfig) -> tuple[list[Engine], Plan]:
     """Every model checked, the resource plan made for all of them (refused before anything loads when it
     cannot be had), then one engine each."""
     models = [prepare_model(s) for s in config.models]
     check_names(models)
     requests = [model_request(m.settings, m.spec, m.names[0], m.device) for m in models]
+    frontends = config.server.http_processes if config.server.http_processes > 1 else 0
+    machine = this_machine(any(m.device == "cuda" for m in models))
     try:
-        plan = plan_resources(requests, this_machine(any(m.device == "cuda" for m in models)))
+        try:
+            plan = plan_resources(requests, machine, frontends)
+        except PlanError:
+            if not machine.gpus:
+                raise
+            plan = plan_resources(requests, with_gpu_memory(machine), frontends)  # GPUs shared, if they fit
     except PlanError as exc:
         raise StartupError(f"cannot plan the machine: {exc}") from None
     for line in plan.lines():

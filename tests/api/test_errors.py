@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 
 import httpx
 import pytest
 
-from tests.server import ServerProcess
+from tests.server import HANG_S, ServerProcess, wait_until, workers_held
 
 KEY = "test-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -155,17 +154,18 @@ def test_never_422_and_server_keeps_serving(server):
     assert post(server, {"input": "still serving"}).status_code == 200
 
 
-def queued(server) -> bool:
+def in_flight(server) -> float:
+    """Inputs admitted and not yet answered."""
     text = httpx.get(server.url + "/metrics").text
-    return any(
-        line.startswith("embed_queue_size{") and float(line.split()[-1]) > 0 for line in text.splitlines()
+    return sum(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith("embed_inputs_in_flight{")
     )
 
 
 def test_429_past_max_concurrent_requests_with_retry_after():
-    # One sequence per batch makes a 64-input request take a while; admitted piecewise, it keeps the limit
-    # of 16 full until its last 16 inputs are in (no capacity reserved for interactive requests here:
-    # tests/engine/test_admission.py covers that).
+    # A 64-input request is admitted piecewise: it keeps the limit of 16 full until its last 16 inputs are
+    # in (no capacity reserved for interactive requests here: tests/engine/test_admission.py covers that).
+    # The workers are held while it is admitted, so the limit is full when "one more" comes, on any CPU.
     with ServerProcess(
         "--dtype",
         "float32",
@@ -173,8 +173,6 @@ def test_429_past_max_concurrent_requests_with_retry_after():
         "16",
         "--max-client-batch-size",
         "64",
-        "--max-batch-requests",
-        "1",
         "--interactive-reserved-inputs",
         "0",
     ) as s:
@@ -183,19 +181,11 @@ def test_429_past_max_concurrent_requests_with_retry_after():
         t = threading.Thread(
             target=lambda: done.setdefault("r", httpx.post(s.url + "/v1/embeddings", json=big, timeout=300))
         )
-        t.start()
-        deadline = time.monotonic() + 60
-        while not queued(s) and t.is_alive() and time.monotonic() < deadline:  # the big one is admitted
-            time.sleep(0.005)
-        rejected = None
-        deadline = time.monotonic() + 60
-        while rejected is None and t.is_alive() and time.monotonic() < deadline:
-            r = httpx.post(s.url + "/v1/embeddings", json={"input": "one more"}, timeout=60)
-            if r.status_code == 429:
-                rejected = r
-            time.sleep(0.01)
+        with workers_held(s):
+            t.start()
+            wait_until(lambda: in_flight(s) >= 16, "the limit to be full", s)
+            rejected = httpx.post(s.url + "/v1/embeddings", json={"input": "one more"}, timeout=60)
         t.join()
-        assert rejected is not None, "no request was refused while the limit was full"
         err = assert_error(rejected, 429)
         assert err["type"] == "rate_limit_error"
         assert int(rejected.headers["Retry-After"]) >= 1
@@ -204,20 +194,24 @@ def test_429_past_max_concurrent_requests_with_retry_after():
 
 
 def test_every_503_carries_retry_after():
-    with ServerProcess("--dtype", "float32", "--max-batch-requests", "1") as s:
-        long = {"input": ["an input that keeps the server busy while it drains " * 4] * 40}
+    # Was: a request was left to run "long enough" (0.2 s) for the probes to find the drain in progress; on
+    # a faster CPU it finished first, the drain ended and the probe got "connection refused". Now the
+    # workers are held, so the admitted request is in flight until the probes are answered.
+    with ServerProcess("--dtype", "float32") as s:
+        request = {"input": ["an input in flight while the server drains"] * 4}
         done: dict = {}
         t = threading.Thread(
-            target=lambda: done.setdefault("r", httpx.post(s.url + "/v1/embeddings", json=long, timeout=300))
+            target=lambda: done.setdefault(
+                "r", httpx.post(s.url + "/v1/embeddings", json=request, timeout=300)
+            )
         )
-        t.start()
-        deadline = time.monotonic() + 60
-        while not queued(s) and t.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.005)
-        s.proc.send_signal(signal.SIGTERM)  # drains: the long request is finished, nothing new admitted
-        time.sleep(0.2)
-        refused = post(s, {"input": "during the drain"}, headers={})
-        health = httpx.get(s.url + "/health")
+        with workers_held(s):
+            t.start()
+            wait_until(lambda: in_flight(s) > 0, "the request to be admitted", s)
+            s.proc.send_signal(signal.SIGTERM)  # drains: the request is finished, nothing new admitted
+            wait_until(lambda: "received SIGTERM: draining" in s.output(), "the drain to begin", s)
+            refused = post(s, {"input": "during the drain"}, headers={})
+            health = httpx.get(s.url + "/health")
         t.join()
         assert done["r"].status_code == 200, "the drain finishes what it admitted"
         err = assert_error(refused, 503)
@@ -225,3 +219,4 @@ def test_every_503_carries_retry_after():
         assert int(refused.headers["Retry-After"]) >= 1
         assert health.status_code == 503 and health.json()["status"] == "draining"
         assert int(health.headers["Retry-After"]) >= 1
+        assert s.proc.wait(HANG_S) == 0

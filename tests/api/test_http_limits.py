@@ -18,14 +18,17 @@ import httpx
 import pytest
 
 from tests.api.rawhttp import closed_within, connect, head, read_reply
-from tests.server import ServerProcess, free_port
+from tests.server import HANG_S, ServerProcess, free_port
 
 HEADER_TIMEOUT = 2.0
 BODY_TIMEOUT = 2.0
 KEEP_ALIVE = 2.0
 MAX_HEAD = 8192
 MAX_CONNECTIONS = 16
-SLACK = 3.0  # on top of a stated timeout: a loaded machine is slow, never this slow
+# Each test waits for the event it means (the server closing the connection, its answer) and checks that
+# a stated timeout caused it: the time taken is at least the timeout, and the answer or count is the one
+# only that timeout gives. No upper bound tied to the timeout (a loaded machine may be late by any amount):
+# a connection never closed is what HANG_S, a failure bound only, catches.
 JSON = {"Content-Type": "application/json"}
 
 
@@ -74,10 +77,15 @@ def test_client_gone_while_its_body_is_read_is_499_and_one_line(server):
     before_499, before_500 = status_count(server, "499"), status_count(server, "500")
     for _ in range(n):
         sock = connect(server.port)
-        sock.sendall(head("POST", "/v1/embeddings", {**JSON, "Content-Length": "100"}) + b'{"input": "par')
-        time.sleep(0.02)  # the head is read and the route is waiting for the rest of the body
+        sock.sendall(
+            head("POST", "/v1/embeddings", {**JSON, "Content-Length": "100", "Expect": "100-continue"})
+        )
+        # "100 Continue" is sent when the route first asks for the body: the head is read, the route waits
+        reply = read_reply(sock, HANG_S)
+        assert reply is not None and reply.status == 100, reply
+        sock.sendall(b'{"input": "par')
         sock.close()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + HANG_S
     while status_count(server, "499") < before_499 + n and time.monotonic() < deadline:
         time.sleep(0.05)
     assert status_count(server, "499") == before_499 + n
@@ -89,13 +97,14 @@ def test_client_gone_while_its_body_is_read_is_499_and_one_line(server):
 
 
 def test_a_head_sent_a_byte_at_a_time_is_cut_at_the_header_timeout(server):
+    before = status_count(server, "408")
+    start = time.monotonic()
     socks = [connect(server.port) for _ in range(8)]
     prefix = b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
-    start = time.monotonic()
     for s in socks:
         s.sendall(prefix)
     open_socks = list(socks)
-    while open_socks and time.monotonic() - start < HEADER_TIMEOUT + SLACK:
+    while open_socks and time.monotonic() - start < HANG_S:
         time.sleep(0.5)
         for s in list(open_socks):
             try:
@@ -107,7 +116,8 @@ def test_a_head_sent_a_byte_at_a_time_is_cut_at_the_header_timeout(server):
                 open_socks.remove(s)
     elapsed = time.monotonic() - start
     assert not open_socks, f"{len(open_socks)} slow heads still open after {elapsed:.1f}s"
-    assert elapsed < HEADER_TIMEOUT + SLACK
+    assert elapsed >= HEADER_TIMEOUT  # cut by the head's deadline, not before it
+    assert status_count(server, "408") == before + 8  # each with the head timeout's 408
     for s in socks:
         s.close()
     still_serving(server)
@@ -115,37 +125,38 @@ def test_a_head_sent_a_byte_at_a_time_is_cut_at_the_header_timeout(server):
 
 def test_the_408_for_a_slow_head_is_in_the_error_shape(server):
     before = status_count(server, "408")
+    start = time.monotonic()
     sock = connect(server.port)
     sock.sendall(b"GET /live HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finished
-    start = time.monotonic()
-    err = assert_openai_error(read_reply(sock, HEADER_TIMEOUT + SLACK), 408)
+    err = assert_openai_error(read_reply(sock, HANG_S), 408)
     assert err["code"] == "request_timeout"
-    assert time.monotonic() - start < HEADER_TIMEOUT + SLACK
-    assert closed_within(sock, SLACK)
+    assert time.monotonic() - start >= HEADER_TIMEOUT
+    assert closed_within(sock, HANG_S)
     sock.close()
     assert status_count(server, "408") == before + 1  # counted, though no route saw it
 
 
 def test_a_declared_body_that_never_comes_is_408_at_the_body_timeout(server):
     before = status_count(server, "408")
-    socks = [connect(server.port) for _ in range(4)]
     start = time.monotonic()
+    socks = [connect(server.port) for _ in range(4)]
     for s in socks:
         s.sendall(head("POST", "/v1/embeddings", {**JSON, "Content-Length": "1000000"}))
     for s in socks:
-        err = assert_openai_error(read_reply(s, BODY_TIMEOUT + SLACK), 408)
+        err = assert_openai_error(read_reply(s, HANG_S), 408)
         assert "body" in err["message"]
-        assert closed_within(s, SLACK)
+        assert time.monotonic() - start >= BODY_TIMEOUT
+        assert closed_within(s, HANG_S)
         s.close()
-    assert time.monotonic() - start < BODY_TIMEOUT + SLACK
     assert status_count(server, "408") == before + 4
     still_serving(server)
 
 
 def test_silent_connections_are_closed(server):
-    socks = [connect(server.port) for _ in range(10)]
     start = time.monotonic()
-    assert all(closed_within(s, HEADER_TIMEOUT + SLACK - (time.monotonic() - start)) for s in socks)
+    socks = [connect(server.port) for _ in range(10)]
+    assert all(closed_within(s, HANG_S) for s in socks)
+    assert time.monotonic() - start >= HEADER_TIMEOUT  # closed by the head's deadline, not before it
     for s in socks:
         s.close()
     still_serving(server)
@@ -153,9 +164,11 @@ def test_silent_connections_are_closed(server):
 
 def test_an_idle_kept_alive_connection_is_closed(server):
     sock = connect(server.port)
+    asked = time.monotonic()  # before the answer, whose sending starts the server's timer
     sock.sendall(head("GET", "/live"))
     assert read_reply(sock).status == 200
-    assert closed_within(sock, KEEP_ALIVE + SLACK)
+    assert closed_within(sock, HANG_S)
+    assert time.monotonic() - asked >= KEEP_ALIVE
     sock.close()
 
 
@@ -198,10 +211,10 @@ def test_connections_past_the_limit_get_503_with_retry_after(server):
     err = assert_openai_error(reply, 503)
     assert err["code"] == "too_many_connections"
     assert int(reply.headers["retry-after"]) >= 1
-    assert closed_within(late, SLACK)
+    assert closed_within(late, HANG_S)
     for s in [*idle, late]:
         s.close()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + HANG_S
     refused = 1
     while time.monotonic() < deadline:  # the server sees the closes within moments
         status = httpx.get(server.url + "/live").status_code
@@ -219,7 +232,7 @@ def test_an_invalid_request_head_is_400_and_counted(server):
     sock.sendall(b"GET /live HTTP/1.1\r\nHost 127.0.0.1\r\n\r\n")  # a header line without its colon
     err = assert_openai_error(read_reply(sock), 400)
     assert err["code"] == "invalid_http_request"
-    assert closed_within(sock, SLACK)
+    assert closed_within(sock, HANG_S)
     sock.close()
     assert status_count(server, "400") == before + 1
     still_serving(server)

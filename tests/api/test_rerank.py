@@ -104,6 +104,24 @@ def test_cohere_v1_rerank_returns_documents(server, reference):
         assert abs(r.relevance_score - scores[r.index]) <= TOLERANCE
 
 
+def test_cohere_v2_rerank_returns_documents_through_request_options(server, reference):
+    """cohere 7.x's ClientV2.rerank has no return_documents argument; the body parameter docs/api.md gives
+    for it is sent and honoured."""
+    _, scores = reference
+    client = cohere.ClientV2(base_url=server.url, api_key=KEY, timeout=120)
+    res = client.rerank(
+        model="tiny-ce",
+        query=QUERY,
+        documents=DOCUMENTS,
+        top_n=3,
+        request_options={"additional_body_parameters": {"return_documents": True}},
+    )
+    assert len(res.results) == 3
+    for r in res.results:
+        assert r.document == {"text": DOCUMENTS[r.index]}
+        assert abs(r.relevance_score - scores[r.index]) <= TOLERANCE
+
+
 def test_jina_shape_on_every_route(server, reference):
     _, scores = reference
     body = {"model": "tiny-ce", "query": QUERY, "documents": [{"text": d} for d in DOCUMENTS], "top_n": 3}

@@ -34,6 +34,26 @@ class Backend:
         return [n for n in lengths.tolist()]
 
 
+class Gated(Backend):
+    """A Backend whose first batch, once started (`started`), waits for `release`: the batch is running for
+    as long as the test needs, on any machine."""
+
+    def __init__(self):
+        super().__init__()
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, ids, lengths, requests):
+        if not self.started.is_set():
+            self.started.set()
+            assert self.release.wait(60), "never released"
+        return super().__call__(ids, lengths, requests)
+
+
+async def until(event: threading.Event) -> None:
+    """Wait for a compute thread's event without blocking the loop."""
+    assert await asyncio.get_running_loop().run_in_executor(None, event.wait, 60), "the event never came"
+
+
 def run(coro):
     return asyncio.run(coro)
 
@@ -95,7 +115,7 @@ def test_without_interactive_traffic_the_reserved_replica_takes_larger_batches()
 
 
 def test_a_short_request_goes_ahead_of_queued_bulk_work():
-    a = Backend(0.02)
+    a = Gated()
 
     async def main():
         batcher = Batcher([a], 64, 256, "m")
@@ -103,9 +123,10 @@ def test_a_short_request_goes_ahead_of_queued_bulk_work():
         loop = asyncio.get_running_loop()
         bulk = make(loop, [64] * 10)
         batcher.submit(bulk)
-        await asyncio.sleep(0.005)  # the first bulk batch is running
+        await until(a.started)  # the first bulk batch is running (and stays so until released)
         short = make(loop, [7])
         batcher.submit(short, priority=True)
+        a.release.set()
         await asyncio.gather(*(s.future for s in bulk + short))
         await batcher.stop()
 
@@ -194,20 +215,16 @@ def test_a_backend_returning_fewer_results_fails_the_batch_instead_of_leaving_it
 
 
 def test_stop_answers_what_is_waiting_and_what_is_running():
-    release = threading.Event()
-
-    def blocked(ids, lengths, requests):
-        release.wait(10)
-        return lengths.tolist()
+    blocked = Gated()
 
     async def main():
         batcher = Batcher([blocked], 8, 256, "m")
         batcher.start()
         seqs = make(asyncio.get_running_loop(), [8, 8, 8])  # one runs, two wait
         batcher.submit(seqs)
-        await asyncio.sleep(0.05)
+        await until(blocked.started)
         await batcher.stop(ConnectionAbortedError("shutting down"))
-        release.set()
+        blocked.release.set()
         return [s.future for s in seqs]
 
     futures = run(main())
@@ -216,13 +233,16 @@ def test_stop_answers_what_is_waiting_and_what_is_running():
 
 def test_a_failed_batch_is_retried_once_on_another_backend():
     calls: list[tuple[str, list[int]]] = []
+    failed = threading.Event()
 
     def failing(ids, lengths, requests):
         calls.append(("failing", lengths.tolist()))
+        failed.set()
         raise RuntimeError("injected")
 
     def healthy(ids, lengths, requests):
-        time.sleep(0.02)  # busy, so that the failing backend takes the first batch
+        # busy until the failing backend has taken a batch (two batches: 26 tokens, 16 a batch)
+        assert failed.wait(60), "the failing backend was never given a batch"
         calls.append(("healthy", lengths.tolist()))
         return lengths.tolist()
 

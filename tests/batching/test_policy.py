@@ -116,43 +116,45 @@ def test_fresh_bulk_work_does_not_age():
 
 @pytest.mark.parametrize("aging_s", [0.2, 0.0])
 def test_bulk_work_completes_under_a_stream_of_short_requests(aging_s):
-    """A stream that keeps the priority lane full for 1.5 s: with aging the bulk request is answered during
-    it; without, it waits for the stream to end (the starvation aging removes)."""
-    stream_s = 1.5
+    """A stream that keeps the priority lane full for 300 batches (>= 1.5 s: each takes at least 5 ms): with
+    aging the bulk request is answered during it; without, it waits for the stream to end (the starvation
+    aging removes). The stream is counted in batches and refilled by each batch before its answer, so the
+    lane never runs dry however slowly the machine runs (was: a 1.5 s loop refilling every 1 ms)."""
+    stream_batches = 300
+    batches = [0]
 
-    def backend(ids, lengths, requests):
-        time.sleep(0.005)
-        return list(lengths.tolist())
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        short: list[Sequence] = []
 
-    async def main() -> tuple[float, float]:
+        def refill() -> None:  # on the loop, before the answer of the batch that asked for it
+            if batches[0] < stream_batches and sum(not s.future.done() for s in short) < 50:
+                more = [Sequence([0] * 10, loop.create_future(), RequestState()) for _ in range(20)]
+                short.extend(more)
+                batcher.submit(more, priority=True)
+
+        def backend(ids, lengths, requests):
+            time.sleep(0.005)
+            batches[0] += 1
+            loop.call_soon_threadsafe(refill)  # runs before the batcher learns this batch is done
+            return list(lengths.tolist())
+
         batcher = Batcher([backend], 100, 100, "m", bulk_aging_s=aging_s)
         batcher.start()
-        loop = asyncio.get_running_loop()
-        t0 = time.perf_counter()
         bulk = [Sequence([0] * 30, loop.create_future(), RequestState()) for _ in range(20)]
-        short: list[Sequence] = []
         batcher.submit(bulk)
-        answered_at: list[float] = []
-        bulk_done = asyncio.ensure_future(asyncio.gather(*(s.future for s in bulk)))
-        bulk_done.add_done_callback(lambda _: answered_at.append(time.perf_counter() - t0))
-        while time.perf_counter() - t0 < stream_s:
-            waiting = [s for s in short if not s.future.done()]
-            if len(waiting) < 50:  # the priority lane never runs dry
-                more = [Sequence([0] * 10, loop.create_future(), RequestState()) for _ in range(20)]
-                short += more
-                batcher.submit(more, priority=True)
-            await asyncio.sleep(0.001)
-        stream_end = time.perf_counter() - t0
-        await bulk_done
-        await asyncio.sleep(0)
+        refill()
+        await asyncio.gather(*(s.future for s in bulk))
+        done_at = batches[0]
+        await asyncio.gather(*(s.future for s in short))
         await batcher.stop()
-        return answered_at[0], stream_end
+        return done_at
 
-    done_at, stream_end = asyncio.run(main())
+    done_at = asyncio.run(main())
     print(
-        f"\naging {aging_s} s: 20 bulk sequences answered after {done_at:.2f} s of a {stream_end:.2f} s stream"
+        f"\naging {aging_s} s: 20 bulk sequences answered after batch {done_at} of a {stream_batches}-batch stream"
     )
     if aging_s:
-        assert done_at < stream_end  # answered while the stream still ran
+        assert done_at < stream_batches  # answered while the stream still ran
     else:
-        assert done_at >= stream_end  # only once it stopped
+        assert done_at >= stream_batches  # only once it stopped

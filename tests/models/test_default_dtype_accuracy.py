@@ -12,7 +12,7 @@
   N(0, 0.08) rather than the default init, so that every layer changes the vector and rounding in any of
   them shows, over the same corpora.
 
-Each runs in-process on the worker's own Embedder, float32 and bfloat16 side by side on the same token ids.
+Each runs in-process on the worker's own EmbeddingModel, float32 and bfloat16 side by side on the same token ids.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from embed_service.models.loader import Embedder
+from embed_service.models.loader import EmbeddingModel
 from embed_service.models.spec import load_spec
 from embed_service.ops.batch import FlatBatch
 from embed_service.outputs import DENSE_ONLY
@@ -41,7 +41,7 @@ TINY: list[Tiny] = [BERT, *CASES]
 def embedders(path, max_length: int | None = None):
     spec = load_spec(path, max_length)
     tok = AutoTokenizer.from_pretrained(str(path))
-    return spec, tok, {dt: Embedder(spec, dt, torch.device("cpu")).eval() for dt in DTYPES}
+    return spec, tok, {dt: EmbeddingModel(spec, dt, torch.device("cpu")).eval() for dt in DTYPES}
 
 
 def min_cosine(spec, tok, by_dtype, texts: list[str], label: str, bound: float = 0.999) -> float:

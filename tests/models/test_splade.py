@@ -8,7 +8,7 @@ text activates a few hundred vocabulary entries as real SPLADE models do, not ha
 
 The sum pooling, the log1p_relu activation, the RoBERTa/XLM-R head (``lm_head.*``) and ModernBERT's
 (``head.*``, ``decoder.*``) are checked in-process
-(the Embedder the workers run, on the same folders) against SparseEncoder, without a server each.
+(the EmbeddingModel the workers run, on the same folders) against SparseEncoder, without a server each.
 """
 
 from __future__ import annotations
@@ -268,17 +268,17 @@ def test_refusals(servers):
 
 
 def embed_in_process(path: Path, inputs: list[str]) -> list[dict[int, float]]:
-    """The Embedder the workers run, on the tokenizer's ids (truncated as sentence-transformers does)."""
+    """The EmbeddingModel the workers run, on the tokenizer's ids (truncated as sentence-transformers does)."""
     from transformers import AutoTokenizer
 
-    from embed_service.models.loader import Embedder
+    from embed_service.models.loader import EmbeddingModel
     from embed_service.models.spec import load_spec
     from embed_service.ops.batch import FlatBatch
     from embed_service.outputs import SPARSE, OutputRequest
 
     tok = AutoTokenizer.from_pretrained(str(path))
     ids = [tok(t, truncation=True, max_length=MAX_LENGTH)["input_ids"] for t in inputs]
-    model = Embedder(load_spec(path), torch.float32, torch.device("cpu")).eval()
+    model = EmbeddingModel(load_spec(path), torch.float32, torch.device("cpu")).eval()
     batch = FlatBatch.from_lengths(torch.tensor([i for seq in ids for i in seq]), [len(s) for s in ids])
     outs = model(batch, [OutputRequest(frozenset({SPARSE}))] * len(ids))
     return [dict(zip(o.sparse.indices.tolist(), o.sparse.values.tolist())) for o in outs]

@@ -86,8 +86,7 @@ def test_built_once_then_reused_from_a_private_directory(cache, tmp_path, compil
     print(
         f"\nkernel: built and loaded in {built_s:.2f}s, verified and loaded again in {reused_s * 1000:.1f} ms"
     )
-    assert compiler_runs(tmp_path) == 1  # the second load compiled nothing
-    assert reused_s < built_s / 3
+    assert compiler_runs(tmp_path) == 1  # the second load compiled nothing (the event; its time is printed)
     assert stat.S_IMODE(cache.stat().st_mode) == 0o700
     lib = cache / cpu_kernels.library_name(compiler)
     recorded = (cache / (lib.name + ".sha256")).read_text().strip()

@@ -61,7 +61,7 @@ def test_padded_layout_keeps_the_real_tokens_hidden_states(build):
     body = build().float().eval()
     randomize(body, seed=3)
     steps = (16, 48, 320)
-    plan = graphs.GraphPlan(steps, 8, None)
+    plan = graphs.GraphSteps(steps, 8, None)
     runner = graphs.GraphRunner(body, plan, MAX_LEN, torch.device("cpu"), capture=graphs.eager)
     g = torch.Generator().manual_seed(1)
     # 1 token; a full step (no padding); padding of one piece; of several pieces; all 8 slots; a pair.
@@ -86,7 +86,7 @@ def test_padded_layout_keeps_the_real_tokens_hidden_states(build):
 def test_batches_without_a_graph_run_eagerly():
     body = tiny_bert().float().eval()
     runner = graphs.GraphRunner(
-        body, graphs.GraphPlan((16,), 2, None), MAX_LEN, torch.device("cpu"), graphs.eager
+        body, graphs.GraphSteps((16,), 2, None), MAX_LEN, torch.device("cpu"), graphs.eager
     )
     ids = torch.ones(17, dtype=torch.long)
     assert runner.hidden(FlatBatch.from_lengths(ids, [17])) is None  # step 32: no graph
@@ -117,14 +117,14 @@ def split(tokens: int) -> list[int]:
 
 def test_plan_captures_only_where_it_is_safe():
     assert (
-        graphs.plan(True, "cuda", "torch-varlen", "bert", 1, 4096).steps
-        == graphs.plan(True, "cuda", "flash-attn", "bert", 1, 4096).steps
+        graphs.choose_steps(True, "cuda", "torch-varlen", "bert", 1, 4096).steps
+        == graphs.choose_steps(True, "cuda", "flash-attn", "bert", 1, 4096).steps
     )  # torch's own varlen kernel is capture-safe as flash-attn's is
-    on = graphs.plan(True, "cuda", "flash-attn", "bert", 1, 16384)
+    on = graphs.choose_steps(True, "cuda", "flash-attn", "bert", 1, 16384)
     assert on.off is None and on.steps[0] == 16 and on.steps[-1] == graphs.GRAPH_MAX_TOKENS
     assert list(on.steps) == sorted({padded_tokens(t) for t in range(1, graphs.GRAPH_MAX_TOKENS + 1)})
     assert on.info() == {"steps": list(on.steps), "max_sequences": graphs.GRAPH_MAX_SEQUENCES, "off": None}
-    assert graphs.plan(True, "cuda", "flash-attn", "decoder", 1, 512).steps[-1] == 512
+    assert graphs.choose_steps(True, "cuda", "flash-attn", "decoder", 1, 512).steps[-1] == 512
     for args, reason in [
         ((False, "cuda", "torch-varlen", "bert", 1, 4096), "--cuda-graphs turns them on"),
         ((True, "cpu", "cpu-kernel", "bert", 1, 4096), "not CUDA"),
@@ -132,7 +132,7 @@ def test_plan_captures_only_where_it_is_safe():
         ((True, "cuda", "flash-attn", "mpnet", 1, 4096), "not capture-safe"),
         ((True, "cuda", "flash-attn", "bert", 2, 4096), "tensor parallelism"),
     ]:
-        off = graphs.plan(*args)
+        off = graphs.choose_steps(*args)
         assert off.steps == () and reason in (off.off or "")
 
 
@@ -143,7 +143,7 @@ def test_a_replay_that_disagrees_leaves_the_worker_eager_and_says_why():
     torch.manual_seed(0)
     body = tiny_decoder().float().eval()
     randomize(body, seed=3)
-    plan = graphs.GraphPlan((16, 48, 320), 8, None)
+    plan = graphs.GraphSteps((16, 48, 320), 8, None)
     cpu = torch.device("cpu")
     runner, kept, note = graphs.capture_checked(body, plan, MAX_LEN, 97, cpu, 0.999, graphs.eager)
     assert runner is not None and kept == plan and "match the eager forward at 3 steps" in note

@@ -58,7 +58,7 @@ class ServerState:
         self.draining = False
         self.fatal: str | None = None
         self.on_fatal: list[Any] = []
-        # With several HTTP processes: a coroutine for the engine process's /metrics text (frontends.py).
+        # With several HTTP processes: a coroutine for the engine process's /metrics text (frontends/).
         self.metrics_text: Any = None
 
     def begin_drain(self) -> None:

@@ -14,7 +14,8 @@ clients fail with nothing said. This module adds, per connection:
 - ``keep_alive_timeout`` between requests (uvicorn's timer, also re-armed after a request whose answer
   went out before its body was in);
 - past ``max_connections`` open connections, a request gets 503 in the API's error shape with
-  ``Retry-After`` and its connection is closed; the limit is fitted to the open-file limit at start-up.
+  ``Retry-After`` and its connection is closed; the limit is fitted to the open-file limit at start-up,
+  and with several front-end processes counts the connections of all of them (``server_wide``).
 
 It reads and sets private state of uvicorn's protocol (the request cycle, the pipeline, the keep-alive
 timer): pyproject.toml bounds uvicorn to the releases tests/api/test_uvicorn_contract.py passes on.
@@ -139,7 +140,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._over_limit = len(self.connections) > self.limits.max_connections
+        self._over_limit = self._open_connections() > self.limits.max_connections
         timeout = self.limits.header_timeout
         if self._over_limit:
             timeout = min(timeout, OVER_LIMIT_HEAD_S)
@@ -148,6 +149,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+
+    def _open_connections(self) -> int:
+        """Open connections, this one included, counted against `max_connections`: this process's (with
+        several front-end processes, all of theirs together: `server_wide`)."""
+        return len(self.connections)
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -258,6 +264,33 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _peer(self) -> str:
         return f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+
+
+def server_wide(protocol: type, count: Any) -> type:
+    """The HTTP protocol class with `--max-connections` counted over every front end (the docs' "server
+    setting"): one count in shared memory, raised as a connection opens, lowered as it closes, so the limit
+    is the server's whichever front end accepts a connection (the kernel may give a burst to one)."""
+
+    class ServerWide(protocol):
+        _open = 0  # the count as this connection opened, itself included; 0: not counted
+
+        def connection_made(self, transport: Any) -> None:
+            with count.get_lock():
+                count.value += 1
+                self._open = count.value
+            super().connection_made(transport)
+
+        def _open_connections(self) -> int:
+            return self._open
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._open:
+                self._open = 0
+                with count.get_lock():
+                    count.value -= 1
+            super().connection_lost(exc)
+
+    return ServerWide
 
 
 def protocol_class(limits: HttpLimits, model: str) -> type[LimitedHttpToolsProtocol]:

@@ -275,9 +275,11 @@ async def embed_sparse(request: Request, _: Authorized) -> Response:
     )
     result = await until_disconnect(request, engine.embed(body.inputs, opts))
     note(request, tokens=result.prompt_tokens)
+    # The weights stay numpy float32 scalars: orjson writes each as the shortest text that reads back as
+    # the same float32, as /v1/embeddings writes them (a Python float would be the double's 17 digits).
     return await json_answer(
         lambda: [
-            [{"index": int(i), "value": float(v)} for i, v in zip(s.indices, s.values)]
+            [{"index": int(i), "value": v} for i, v in zip(s.indices.tolist(), s.values)]
             for s in result.sparse or ()
         ],
         result_values(result),

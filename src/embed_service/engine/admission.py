@@ -6,7 +6,8 @@ Budgets, checked on the parsed request before tokenizing (a 400 names the one pa
 - inputs per request (``--max-client-batch-size``);
 - characters per input the tokenizer may read, the prompt counted with each input (``--max-input-chars``);
 - characters per request, the prompt counted once per input (``--max-request-chars``).
-Token-id inputs are not tokenized; their ids count as characters.
+Token-id inputs are not tokenized; their ids count as characters. A chunked request's windows have a
+budget of their own, counted as its texts are tokenized (engine/chunking.py).
 
 Capacity is counted in inputs (``--max-concurrent-requests``), in two parts:
 - a reserve (``--interactive-reserved-inputs``) that only interactive requests (at most
@@ -19,6 +20,8 @@ Capacity is counted in inputs (``--max-concurrent-requests``), in two parts:
   own earlier ones are answered, and the window grows as capacity frees, up to half the shared part
   (so a second large request finds room). It never waits for capacity it does not hold, so it cannot
   deadlock, and it is served on a busy server; a request that finds no room at all gets 429 at once.
+A request whose inputs become more sequences once tokenized (a chunked request's windows) is re-admitted
+for them (`Admission.resize`), so that a few long inputs run their windows side by side.
 """
 
 from __future__ import annotations
@@ -119,6 +122,32 @@ class Admission:
         self.in_shared += window
         self._changed()
         return Permit(self, n, window, interactive=False)
+
+    def resize(self, permit: Permit, units: int) -> None:
+        """Re-admit an idle permit for `units` inputs, now that the request knows how many it has (a chunked
+        request's windows, once planned): into the reserve as `admit(units)` would, else into the shared part
+        with as many slots as are free there (its own counted as free), which then grow as a piecewise
+        request's do; in one step, so the count never passes through a value nobody holds. Where the shared
+        part has fewer free slots than the permit holds, it keeps what it holds and `units` enter
+        through it."""
+        assert permit.busy == 0 and not permit.closed and units >= 0
+        permit.unstarted = units
+        in_reserve = self.in_reserve - (permit.held if permit.interactive else 0)
+        in_shared = self.in_shared - (0 if permit.interactive else permit.held)
+        if units <= self.interactive_max_inputs and in_reserve + units <= self.reserved:
+            interactive, held = True, units
+        else:
+            held = min(units, self.shared - in_shared, self.max_window)
+            interactive = False
+            if held < max(1, permit.held):
+                return  # less room than it holds
+        self.in_reserve, self.in_shared = in_reserve, in_shared
+        if interactive:
+            self.in_reserve += held
+        else:
+            self.in_shared += held
+        permit.interactive, permit.held = interactive, held
+        self._changed()
 
     def _grow(self, permit: Permit, want: int) -> int:
         if permit.interactive:

@@ -14,25 +14,28 @@ averaged with each weighted by its number of text tokens; then, as for any input
 model's normalization. A text that fits one sequence is encoded as it would be without chunking, so its
 vector is the plain one.
 
-Cost: each window is a sequence, and admission counts it as one: a chunked request's inputs take one
-slot each while they are tokenized, and each further window takes one more (see `run_windowed`). A text
-is read whole, so one longer than --max-input-chars is refused, and one that would make more than
---max-chunks-per-input windows is refused once tokenized, before any of its windows runs.
+Cost, bounded per request before any window runs: a text is read whole, so one longer than
+--max-input-chars is refused before it is tokenized; each text is tokenized once (a prompt adds a bounded
+read of its start, to embed a text that fits exactly as without chunking); a text that would make more
+than --max-chunks-per-input windows is refused, and so is a request whose windows make more tokens in all
+than an unchunked request may (`ChunkRule.max_inputs` sequences of the max input length:
+--max-client-batch-size x max input length), counted as its texts are planned, so a refusal stops
+tokenizing at the text that passes the budget. Only then do windows run: each is a sequence, and the
+request's permit is re-admitted for its windows (see `run_windowed`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from embed_service.engine.admission import Permit, Slots
-from embed_service.engine.tokenizer import Tokenizer
+from embed_service.engine.admission import Permit, run_piecewise
+from embed_service.engine.tokenizer import Tokenizer, Truncation
 
 
 @dataclass(frozen=True)
@@ -46,13 +49,20 @@ class ChunkOptions:
 
 @dataclass(frozen=True)
 class ChunkRule:
-    """Chunking as resolved for one request."""
+    """Chunking as resolved for one request. `max_inputs`: the request's budget, in sequences of
+    `max_length` tokens (--max-client-batch-size: what an unchunked request may make); None: no budget."""
 
     overlap: int
     max_chunks: int
     max_length: int
     max_chars: int
     return_chunks: bool
+    max_inputs: int | None = None
+
+    @property
+    def max_tokens(self) -> int | None:
+        """Tokens the windows of one request may make in all, special tokens and prompt included."""
+        return None if self.max_inputs is None else self.max_inputs * self.max_length
 
 
 @dataclass(frozen=True)
@@ -110,38 +120,95 @@ def check_chars(texts: list[str], prompt: str | None, rule: ChunkRule, first: in
             )
 
 
+@dataclass
+class Tally:
+    """A request's windows and their tokens so far, as its texts are planned, against `rule.max_tokens`."""
+
+    rule: ChunkRule
+    windows: int = 0
+    tokens: int = 0
+
+    def add(self, windows: list[Window], index: int) -> None:
+        """Count input `index`'s windows; refuse the request once they pass its budget."""
+        self.windows += len(windows)
+        self.tokens += sum(len(w.ids) for w in windows)
+        limit = self.rule.max_tokens
+        if limit is not None and self.tokens > limit:
+            what = "input 0 makes" if index == 0 else f"the first {index + 1} inputs make"
+            raise ChunkError(
+                f"with chunking, {what} {self.tokens} tokens in {self.windows} windows, more than the "
+                f"{limit} tokens one request may make ({self.rule.max_inputs} sequences of "
+                f"{self.rule.max_length}: --max-client-batch-size x the max input length, as without "
+                "chunking); send fewer or shorter inputs, or a smaller chunking.overlap"
+            )
+
+
 def plan(
-    tokenizer: Tokenizer, texts: list[str], prompt: str | None, rule: ChunkRule, first: int = 0
+    tokenizer: Tokenizer,
+    texts: list[str],
+    prompt: str | None,
+    rule: ChunkRule,
+    first: int = 0,
+    tally: Tally | None = None,
 ) -> list[list[Window]]:
     """The windows of each text (one, the plain sequence, for a text that fits). Runs on a tokenization
-    thread; `first` is the index of texts[0] in its request, for messages."""
+    thread; `first` is the index of texts[0] in its request, for messages; `tally`: the request's count
+    so far, which refuses the text that passes its budget (a fresh one by default).
+
+    Each text is tokenized once, whole, without special tokens: without a prompt the plain sequence is
+    the template around those tokens (the post-processor only adds the special tokens), so the one
+    tokenization decides whether the text fits and cuts its windows. A prompt is tokenized with the text
+    as the plain sequence is (the words at the join may differ), read only as far as the max input length
+    needs (`Tokenizer.encode` with a truncation rule), so it costs a bounded read of the text's start.
+    """
     room = check_overlap(tokenizer, rule, prompt)
+    tally = tally or Tally(rule)
     head = tokenizer.template_head + (
         tokenizer.backend.encode(prompt, add_special_tokens=False).ids if prompt else []
     )
     tail = tokenizer.template_tail + ([tokenizer.eos_appended] if tokenizer.eos_appended is not None else [])
     check_chars(texts, prompt, rule, first)
+    joined: list[list[int] | None] = [None] * len(texts)
+    if prompt:
+        cut = Truncation(True, rule.max_length)
+        joined = tokenizer.encode(texts, prompt, cut, rule.max_chars, first)  # type: ignore[assignment]
     out = []
-    for text in texts:
-        whole = tokenizer.encode([text], prompt)[0]
-        if len(whole) <= rule.max_length:
-            out.append([Window(whole, 0, len(text), len(whole) - len(head) - len(tail))])
-            continue
-        e = tokenizer.backend.encode(text, add_special_tokens=False)
-        ids, offsets = e.ids, e.offsets
-        count = window_count(len(ids), room, rule.overlap)
-        if count > rule.max_chunks:
-            raise ChunkError(
-                f"input {first + len(out)} has {len(ids)} tokens, which make {count} windows of {room}; "
-                f"the limit is {rule.max_chunks} per input (--max-chunks-per-input)"
-            )
-        out.append(
-            [
-                Window(head + ids[s:e_] + tail, offsets[s][0], offsets[e_ - 1][1], e_ - s)
-                for s, e_ in window_bounds(len(ids), room, rule.overlap)
-            ]
-        )
+    for i, text in enumerate(texts):
+        plain = joined[i]
+        if plain is not None and len(plain) <= rule.max_length:
+            windows = [Window(plain, 0, len(text), len(plain) - len(head) - len(tail))]
+        else:
+            windows = _windows(tokenizer, text, head, tail, room, rule, first + i, plain is None)
+        tally.add(windows, first + i)
+        out.append(windows)
     return out
+
+
+def _windows(
+    tokenizer: Tokenizer,
+    text: str,
+    head: list[int],
+    tail: list[int],
+    room: int,
+    rule: ChunkRule,
+    index: int,
+    may_fit: bool,
+) -> list[Window]:
+    """One text's windows, from its one whole tokenization (`may_fit`: no prompt decided it is long)."""
+    e = tokenizer.backend.encode(text, add_special_tokens=False)
+    ids, offsets = e.ids, e.offsets
+    if may_fit and len(head) + len(ids) + len(tail) <= rule.max_length:
+        return [Window(head + ids + tail, 0, len(text), len(ids))]
+    count = window_count(len(ids), room, rule.overlap)
+    if count > rule.max_chunks:
+        raise ChunkError(
+            f"input {index} has {len(ids)} tokens, which make {count} windows of {room}; "
+            f"the limit is {rule.max_chunks} per input (--max-chunks-per-input)"
+        )
+    return [
+        Window(head + ids[s:e_] + tail, offsets[s][0], offsets[e_ - 1][1], e_ - s)
+        for s, e_ in window_bounds(len(ids), room, rule.overlap)
+    ]
 
 
 def combine(vectors: np.ndarray, weights: list[int]) -> np.ndarray:
@@ -161,40 +228,27 @@ async def run_windowed(
 ) -> list[list[Any]]:
     """Answer a chunked request of `n` inputs through its permit: per input, its windows' results in order.
 
-    Like admission.run_piecewise, with windows as the units of capacity: an input takes one slot while it
-    is tokenized (`plan_piece(first, k)` plans inputs first..first+k-1), its first window keeps that slot,
-    and each further window is one more unit of the request (`Permit.extend`), started when the permit has
-    a free slot. Windows waiting for a slot go before inputs not yet tokenized. It waits only for its own
-    windows to be answered, never for capacity it does not hold, so it cannot deadlock.
+    First the request is planned whole (`plan_piece(first, k)` plans inputs first..first+k-1: tokenized,
+    cut into windows, refused past a budget) under the capacity it was admitted with, so that no window
+    runs for a request that is then refused. Then its permit is re-admitted for its windows
+    (`Admission.resize`), as a request of that many inputs would be admitted: a request of one input of
+    64 windows holds up to 64 slots (within the piecewise window), not the one its input took, and its
+    windows run side by side. They enter as admission.run_piecewise starts inputs: as many as the permit
+    has free slots, the rest as the request's own earlier windows are answered, so it never waits for
+    capacity it does not hold and cannot deadlock.
     """
-    futures: list[list[asyncio.Future]] = []
-    waiting: deque[tuple[int, Window]] = deque()  # (input index, window) not started yet
-    slots = Slots(permit)
+    planned = await plan_piece(0, n)
+    flat = [(i, w) for i, windows in enumerate(planned) for w in windows]
+    permit.admission.resize(permit, len(flat))
 
-    def start(items: list[tuple[int, Window]]) -> None:
-        for (i, _), future in zip(items, submit([w for _, w in items])):
-            slots.watch(future)
-            futures[i].append(future)
+    async def start(first: int, k: int) -> list[asyncio.Future]:
+        return submit([w for _, w in flat[first : first + k]])
 
-    while len(futures) < n or waiting:
-        k = await slots.free()
-        if slots.failed:
-            break
-        if waiting:
-            k = min(k, len(waiting))
-            permit.take(k)
-            start([waiting.popleft() for _ in range(k)])
-            continue
-        k = min(k, n - len(futures))
-        permit.take(k)
-        first = len(futures)
-        planned = await plan_piece(first, k)
-        futures += [[] for _ in planned]
-        for windows in planned:
-            permit.extend(len(windows) - 1)
-        start([(first + j, windows[0]) for j, windows in enumerate(planned)])
-        waiting.extend((first + j, w) for j, windows in enumerate(planned) for w in windows[1:])
-    return [list(await asyncio.gather(*fs)) for fs in futures]
+    results = await run_piecewise(permit, len(flat), start)
+    out: list[list[Any]] = [[] for _ in planned]
+    for (i, _), result in zip(flat, results):
+        out[i].append(result)
+    return out
 
 
 @dataclass

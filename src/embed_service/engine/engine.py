@@ -234,6 +234,12 @@ class Engine(TextSide):
             self.device,
             self.settings.tensor_parallel_size,
         )
+        if self.settings.chunk_long_inputs and DENSE not in self.spec.outputs:
+            log.warning(
+                "model %s gives no dense vectors: --chunk-long-inputs does not apply to it (its outputs "
+                "are truncated as without it)",
+                self.name,
+            )
         try:
             await self.replica_set.start(lambda text: log.info("model %s: %s", self.name, text))
         except Exception as exc:
@@ -359,7 +365,7 @@ class Engine(TextSide):
         return await self._embed_run(self._admit(inputs, prompt), len(inputs), piece, opts, output)
 
     async def embed_tokenized(self, ids: list[list[int]], opts: EmbedOptions | None = None) -> EmbedResult:
-        """embed() of texts that a front-end process has checked and tokenized (frontends.py, with
+        """embed() of texts that a front-end process has checked and tokenized (frontends/, with
         `TextSide.tokenize_texts`): their budgets, prompt and truncation are done, so `ids` are admitted and
         batched as they are, as embed() would batch the same texts' ids."""
         opts = opts or EmbedOptions()
@@ -404,18 +410,24 @@ class Engine(TextSide):
     # --- long inputs as windows (engine/chunking.py) -------------------------------------------------
 
     def _plan(
-        self, texts: list[str], prompt: str | None, rule: chunking.ChunkRule, first: int
+        self,
+        texts: list[str],
+        prompt: str | None,
+        rule: chunking.ChunkRule,
+        first: int,
+        tally: chunking.Tally,
     ) -> list[list[chunking.Window]]:
         """Runs on a tokenization thread (the prompt was checked before admission)."""
         try:
-            return chunking.plan(self.tokenizer, texts, prompt, rule, first)
+            return chunking.plan(self.tokenizer, texts, prompt, rule, first, tally)
         except chunking.ChunkError as exc:
             raise InvalidInputError(str(exc), param=exc.param) from None
 
     async def _embed_windowed(
         self, inputs: list[str], opts: EmbedOptions, rule: chunking.ChunkRule, prompt: str | None
     ) -> EmbedResult:
-        """embed() for a request that chunks its long texts: each window a sequence, admitted as one."""
+        """embed() for a request that chunks its long texts: planned whole (and refused past its budget)
+        first, then each window a sequence, admitted as one (chunking.run_windowed)."""
         check_request(inputs, prompt, self.limits)
         try:  # before admission: refusals that need no tokenizing of the texts
             self.tokenizer.check_prompt(prompt, rule.max_length)  # a prompt that fills the window first
@@ -424,12 +436,13 @@ class Engine(TextSide):
         except (chunking.ChunkError, PromptError) as exc:
             raise InvalidInputError(str(exc), param=exc.param) from None
         planned: list[list[chunking.Window]] = []
+        tally = chunking.Tally(rule)  # the request's windows and tokens, against its budget
         with _Run(self, self.admission.admit(len(inputs))) as run:
 
             async def plan_piece(first: int, k: int) -> list[list[chunking.Window]]:
                 with self._tokenizing():
                     done = await self._on_tokenizer(
-                        inputs, first, k, prompt, lambda texts, at: self._plan(texts, prompt, rule, at)
+                        inputs, first, k, prompt, lambda texts, at: self._plan(texts, prompt, rule, at, tally)
                     )
                 planned.extend(done)
                 return done

@@ -211,18 +211,20 @@ class Replicas:
 
     async def _restart(self, r: Replica, delay: float) -> None:
         await asyncio.sleep(delay)
-        old = r.group
-        await asyncio.to_thread(old.close, 1.0)  # killed already; reap it and close its pipes
+        try:  # killed already; reap it and close its pipes. Its processes are gone either way: go on.
+            await asyncio.to_thread(r.group.close, 1.0)
+        except Exception as exc:
+            log.warning("model %s: replica %d: closing the lost workers failed: %r", self.model, r.index, exc)
         if self._closing:
             return
-        r.group = self._new_group(r.index)
-        r.restarts += 1
-        metrics.REPLICA_RESTARTS.labels(self.model).inc()
         t0 = time.perf_counter()
-        try:
+        try:  # whatever fails from here, the replica is failed again (restarted or given up), never stuck
+            r.group = self._new_group(r.index)
+            r.restarts += 1
+            metrics.REPLICA_RESTARTS.labels(self.model).inc()
             r.group.start()
             await asyncio.to_thread(r.group.wait_ready, lambda text: None)
-        except Exception as exc:  # it did not load (a worker died or failed while loading)
+        except Exception as exc:  # not built, not started, or did not load (a worker died or failed)
             if self._closing:
                 return
             log.error("model %s: replica %d did not restart: %s", self.model, r.index, exc)

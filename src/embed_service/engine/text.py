@@ -148,12 +148,7 @@ class TextSide:
         output = self._output_checks(opts)
         rule = self.truncation(opts)
         prompt = self._prompt(inputs, opts)
-        chunk_rule = self._chunk_rule(inputs, opts)
-        if chunk_rule is not None and output.kinds != {"dense"}:
-            raise InvalidInputError(
-                "chunking averages dense vectors; ask for the sparse and colbert outputs without it",
-                param="chunking",
-            )
+        chunk_rule = self._chunk_rule(inputs, opts, output)
         return output, rule, prompt, chunk_rule
 
     async def tokenize_texts(
@@ -283,12 +278,24 @@ class TextSide:
                 span.set_attributes({"embed.inputs": len(ids), "embed.tokens": sum(map(len, ids))})
         return ids
 
-    def _chunk_rule(self, inputs: Inputs, opts: EmbedOptions) -> chunking.ChunkRule | None:
-        """How this request chunks its inputs, or None when it does not (token ids never do)."""
+    def _chunk_rule(
+        self, inputs: Inputs, opts: EmbedOptions, output: OutputRequest
+    ) -> chunking.ChunkRule | None:
+        """How this request chunks its inputs, or None when it does not (token ids never do). The server's
+        --chunk-long-inputs applies to requests for dense vectors only: chunking averages them, and sparse
+        and ColBERT outputs are truncated as without it; a request that asks for chunking with them is a
+        400."""
         asked = opts.chunking or chunking.ChunkOptions()
-        enabled = self.settings.chunk_long_inputs if asked.enabled is None else asked.enabled
-        if not enabled:
+        if asked.enabled is None:
+            if not (self.settings.chunk_long_inputs and output.kinds == {DENSE}):
+                return None
+        elif not asked.enabled:
             return None
+        elif output.kinds != {DENSE}:
+            raise InvalidInputError(
+                "chunking averages dense vectors; ask for the sparse and colbert outputs without it",
+                param="chunking",
+            )
         if not isinstance(inputs[0], str):
             if asked.enabled:
                 raise InvalidInputError(
@@ -302,4 +309,5 @@ class TextSide:
             self.spec.max_input_length,
             self.settings.max_input_chars,
             asked.return_chunks,
+            self.settings.max_client_batch_size,  # the request's budget, as without chunking
         )

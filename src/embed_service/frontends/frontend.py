@@ -19,6 +19,7 @@ from typing import Any
 
 from embed_service import observability
 from embed_service.api.app import create_app
+from embed_service.api.http_limits import server_wide
 from embed_service.config import ServerSettings, Settings
 from embed_service.engine.errors import NotReadyError, OverloadedError
 from embed_service.engine.scoring import ScoreResult
@@ -57,6 +58,28 @@ class ModelInfo:
     device: str
     plan: ModelPlan
     tokenizer: TokenizerFiles  # the engine's, rebuilt here without transformers (and torch)
+
+
+class SharedCount:
+    """Every front end's open connections, as `http_limits.server_wide` counts them (`get_lock`, `value`),
+    kept in one slot per front end of a shared array: the total is their sum, and a front end counts in its
+    own slot, so one that dies (its connections never report closed) leaves nothing behind once the engine
+    process zeroes its slot to restart it."""
+
+    def __init__(self, slots: Any, index: int):
+        self.slots = slots
+        self.index = index
+
+    def get_lock(self) -> Any:
+        return self.slots.get_lock()
+
+    @property
+    def value(self) -> int:
+        return int(sum(self.slots))
+
+    @value.setter
+    def value(self, total: int) -> None:  # under get_lock(), as server_wide sets it
+        self.slots[self.index] += total - self.value
 
 
 class EngineClient:
@@ -219,6 +242,7 @@ async def _serve(
     channel_sock: socket.socket,
     infos: list[ModelInfo],
     plan: Plan,
+    connections: SharedCount,
 ) -> int:
     engines: list[RemoteEngine] = []
     server: DrainingServer | None = None
@@ -245,7 +269,9 @@ async def _serve(
         return await client.call(None, "metrics")
 
     app.state.server.metrics_text = metrics_text
-    server = DrainingServer(uvicorn_config(app, settings), app.state.server, settings.drain_timeout)
+    config = uvicorn_config(app, settings)
+    config.http = server_wide(config.http, connections)  # type: ignore[arg-type]
+    server = DrainingServer(config, app.state.server, settings.drain_timeout)
     app.state.server.on_fatal.append(server.fatal)
     if client.gone:  # gone before the server existed to hear of it
         on_gone(client.gone)
@@ -263,10 +289,15 @@ def run_frontend(
     channel_sock: socket.socket,
     infos: list[ModelInfo],
     plan: Plan,
+    connection_slots: Any,
 ) -> None:
     """A front-end process (`index`): the app over `RemoteEngine`s, on the shared socket, until drained or
-    orphaned."""
+    orphaned; `connection_slots`: every front end's open connections (`SharedCount`)."""
     observability.configure(settings.log_level, settings.log_format, settings.otlp_endpoint)
     # uvicorn's own loop (uvloop where installed), as `uvicorn.Server.run` would choose it
     with asyncio.Runner(loop_factory=uvicorn_config(None, settings).get_loop_factory()) as runner:
-        sys.exit(runner.run(_serve(settings, sock, channel_sock, infos, plan)))
+        sys.exit(
+            runner.run(
+                _serve(settings, sock, channel_sock, infos, plan, SharedCount(connection_slots, index))
+            )
+        )

@@ -68,7 +68,7 @@ class FrontEnd:
         ours, theirs = socket.socketpair()
         self.proc = mp.get_context("spawn").Process(
             target=run_frontend,
-            args=(index, host.settings, host.sock, theirs, host.infos, host.plan),
+            args=(index, host.settings, host.sock, theirs, host.infos, host.plan, host.connections),
             name=f"embed-http-{index}",
             daemon=True,  # never outlives this process
         )
@@ -103,6 +103,8 @@ class EngineHost:
         self.restarts: deque[float] = deque()
         self.exit_code = 0
         self.changed = asyncio.Event()  # a front end exited, a model failed, or a signal came
+        # every front end's open connections, a slot each (frontend.SharedCount: --max-connections is the server's)
+        self.connections = mp.get_context("spawn").Array("i", settings.http_processes)
 
     def _fail(self, reason: str) -> None:
         if self.fatal is None:
@@ -236,6 +238,8 @@ class EngineHost:
             frontend.proc.pid,
             frontend.proc.exitcode,
         )
+        with self.connections.get_lock():  # its connections died with it
+            self.connections[frontend.index] = 0
         self._start(frontend.index)
         log.info(
             "HTTP process %d restarted (pid %d)", frontend.index, self.frontends[frontend.index].proc.pid

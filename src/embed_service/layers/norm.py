@@ -73,7 +73,8 @@ class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the checkpoint stores the scale less one (``x * (1 + weight)``), and the scaling is
     done in float32 before the cast back, as transformers' Gemma 2 / 3 do (Llama scales after the cast)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    # No fused residual form: the Gemma blocks add their residuals themselves (models/gemma.py).
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)

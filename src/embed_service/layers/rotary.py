@@ -128,6 +128,8 @@ def apply_rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 class RotaryEmbedding(nn.Module):
     """cos/sin of each token's position, computed once per batch and shared by every layer."""
 
+    inv_freq: torch.Tensor  # (D / 2,) float32, a buffer
+
     def __init__(self, head_dim: int, params: dict[str, Any]):
         super().__init__()
         inv_freq, self.attention_scaling = inverse_frequencies(head_dim, params)

@@ -49,7 +49,7 @@ class DecoderArgs:
 
 
 def rotary_qkv(
-    attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v of a decoder attention (its qkv_proj, head counts, optional per-head q/k norm), the rotary
     applied: (T, H_r, D), (T, Hkv_r, D), (T, Hkv_r, D). Shared by every decoder family (gemma.py too)."""

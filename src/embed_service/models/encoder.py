@@ -52,7 +52,8 @@ class AbsoluteEmbeddings(nn.Module):
                 x = x + self.token_type_embeddings.weight[0]
             else:  # pairs (cross-encoders): the second text is segment 1
                 x = x + self.token_type_embeddings(batch.token_type_ids)
-        return self.LayerNorm(x)
+        out: torch.Tensor = self.LayerNorm(x)
+        return out
 
 
 class PackedSelfAttention(nn.Module):

@@ -95,7 +95,7 @@ class DenseHead(nn.Module):
         return self.activation(self.linear(x))
 
 
-class Embedder(nn.Module):
+class EmbeddingModel(nn.Module):
     """Transformer -> output heads: (T,) token ids and one OutputRequest per sequence -> one SequenceOutput
     per sequence (models/heads.py). Dense vectors come out not normalized.
 

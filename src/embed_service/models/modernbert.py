@@ -8,7 +8,7 @@ the packed tensor so each part is sharded by the packed layers like any separate
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +29,7 @@ from embed_service.ops.attention import varlen_attention
 from embed_service.ops.batch import FlatBatch
 
 
-def _load_packed(layer: nn.Module, shard_ids: list[Any]) -> None:
+def _load_packed(layer: Any, shard_ids: list[Any]) -> None:
     """Make a packed layer load a checkpoint tensor that holds its parts end to end along dim 0."""
     for param in layer.parameters(recurse=False):
 
@@ -37,7 +37,7 @@ def _load_packed(layer: nn.Module, shard_ids: list[Any]) -> None:
             for shard_id, part in zip(shard_ids, loaded.chunk(len(shard_ids), dim=0)):
                 layer.weight_loader(param, part, shard_id)
 
-        param.weight_loader = load  # type: ignore[attr-defined]
+        param.weight_loader = load
 
 
 def _norm(cfg: dict[str, Any]) -> LayerNorm:
@@ -158,7 +158,7 @@ class ModernBertModel(nn.Module):
         tables = {kind: rope(batch.positions) for kind, rope in self.rotary.items()}
         x = self.embeddings(batch.input_ids)
         for layer in self.layers:
-            x = layer(x, batch, *tables[layer.kind])
+            x = layer(x, batch, *tables[cast(ModernBertEncoderLayer, layer).kind])
         return self.final_norm(x)
 
     def add_mlm_head(self, cfg: dict[str, Any]) -> None:

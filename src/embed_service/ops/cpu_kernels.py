@@ -49,8 +49,12 @@ import torch
 log = logging.getLogger("embed_service.kernels")
 
 SOURCE = Path(__file__).parent / "csrc" / "varlen_attention.c"
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
-COMMON_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC"]
+COMMON_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC"]
+# Linked apart from the compile, without -ffast-math: linking a shared library with it (gcc before 13) adds
+# crtfastmath.o, whose constructor sets flush-to-zero and denormals-are-zero for the whole process that
+# loads the kernel, so every other float op there (torch's, numpy's) would lose its subnormals.
+LINK_FLAGS = ["-shared", "-fopenmp"]
 
 # /proc/cpuinfo's names for the x86-64 psABI levels (v3: AVX2, FMA, BMI, F16C, LZCNT, MOVBE, XSAVE).
 X86_64_V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")
@@ -186,8 +190,7 @@ def prebuild(out_dir: Path, compiler: str) -> dict[str, dict[str, str]]:
     manifest: dict[str, dict[str, str]] = {}
     for name, flags, _needs in VARIANTS:
         lib = out_dir / f"varlen_attention-{name}.so"
-        cmd = [compiler, *flags, *COMMON_FLAGS, str(SOURCE), "-o", str(lib), "-lm"]
-        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+        compile_library(compiler, [*flags, *COMMON_FLAGS], lib, timeout=300)
         os.chmod(lib, 0o755)
         with open(lib, "rb") as f:
             manifest[name] = {"file": lib.name, "sha256": _sha256(f.fileno()), "flags": " ".join(flags)}
@@ -230,6 +233,19 @@ def _prebuilt_fd() -> tuple[int, str, Path] | None:
     return None
 
 
+def compile_library(compiler: str, flags: list[str], lib: Path, timeout: float) -> None:
+    """SOURCE compiled with `flags` to an object beside `lib`, then linked into `lib` with LINK_FLAGS."""
+    obj = lib.with_name(lib.name + ".o")
+    try:
+        for cmd in (
+            [compiler, *flags, "-c", str(SOURCE), "-o", str(obj)],
+            [compiler, *LINK_FLAGS, str(obj), "-o", str(lib), "-lm"],
+        ):
+            subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=timeout)
+    finally:
+        obj.unlink(missing_ok=True)
+
+
 def _build(compiler: str, lib: Path) -> None:
     """Compile into a temporary file beside `lib`, record its digest, then move both into place."""
     out_dir = lib.parent
@@ -237,13 +253,7 @@ def _build(compiler: str, lib: Path) -> None:
     os.close(fd)
     digest_tmp = tmp + ".sha256"
     try:
-        subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        compile_library(compiler, FLAGS, Path(tmp), timeout=120)
         os.chmod(tmp, 0o700)  # whatever the umask: the check on loading wants it private
         with open(tmp, "rb") as f:
             digest = _sha256(f.fileno())
@@ -261,7 +271,7 @@ def _build(compiler: str, lib: Path) -> None:
 def library_name(compiler: str) -> str:
     """The library's file name: a hash of the source, the compiler and its flags, and the CPU."""
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode() + _cpu_identity().encode()
+        SOURCE.read_bytes() + " ".join([compiler, *FLAGS, *LINK_FLAGS]).encode() + _cpu_identity().encode()
     ).hexdigest()
     return f"varlen_attention-{key[:16]}.so"
 

@@ -57,7 +57,7 @@ def graph_steps(max_tokens: int) -> list[int]:
 
 
 @dataclass(frozen=True)
-class GraphPlan:
+class GraphSteps:
     """The steps a worker captures (none: `off` says why), reported in /info as `cuda_graphs`."""
 
     steps: tuple[int, ...]
@@ -68,7 +68,7 @@ class GraphPlan:
         return {"steps": list(self.steps), "max_sequences": self.max_sequences, "off": self.off}
 
 
-def plan(
+def choose_steps(
     enabled: bool,
     device_type: str,
     attention_backend: str,
@@ -76,7 +76,7 @@ def plan(
     world_size: int,
     max_batch_tokens: int,
     max_tokens: int = GRAPH_MAX_TOKENS,
-) -> GraphPlan:
+) -> GraphSteps:
     """Which steps get a graph, or why none does."""
     off = (
         OFF_BY_SETTING
@@ -92,8 +92,8 @@ def plan(
         else None
     )
     if off is not None:
-        return GraphPlan((), 0, off)
-    return GraphPlan(
+        return GraphSteps((), 0, off)
+    return GraphSteps(
         tuple(graph_steps(min(max_tokens, padded_tokens(max_batch_tokens)))), GRAPH_MAX_SEQUENCES, None
     )
 
@@ -207,7 +207,7 @@ class _StepGraph:
 
 
 class GraphRunner:
-    """The transformer body of a model replayed from one graph per step of `graph_plan`.
+    """The transformer body of a model replayed from one graph per step of `cuda_graphs`.
 
     `hidden(batch)` -> (T, H) last hidden states of a host-side FlatBatch's real tokens, or None when the
     batch has no graph (more tokens than the largest step, or more sequences than the slots).
@@ -216,19 +216,19 @@ class GraphRunner:
     def __init__(
         self,
         body: torch.nn.Module,
-        graph_plan: GraphPlan,
+        cuda_graphs: GraphSteps,
         max_len: int,
         device: torch.device,
         capture: Callable[..., Replay] = cuda_graph,
     ):
-        self.plan = graph_plan
+        self.steps = cuda_graphs
         pool = torch.cuda.graph_pool_handle() if capture is cuda_graph else None
         self.graphs: dict[int, _StepGraph] = {}
         with torch.inference_mode():
             # The largest first: the smaller graphs then fit in the memory pool it left (one pool for all).
-            for step in sorted(graph_plan.steps, reverse=True):
+            for step in sorted(cuda_graphs.steps, reverse=True):
                 self.graphs[step] = _StepGraph(
-                    body, step, graph_plan.max_sequences, max_len, device, capture, pool
+                    body, step, cuda_graphs.max_sequences, max_len, device, capture, pool
                 )
 
     @torch.inference_mode()  # the buffers were made in it
@@ -241,7 +241,7 @@ class GraphRunner:
         return graph.replay()[:tokens].clone()  # (T, H): the next replay overwrites the static output
 
     def forward(self, model: Any, batch: FlatBatch, requests: list[Any]) -> list[Any] | None:
-        """models/loader.Embedder.forward through a graph: the body replayed, then the heads eagerly on the
+        """models/loader.EmbeddingModel.forward through a graph: the body replayed, then the heads eagerly on the
         real rows (with the device's copies of the ids and bounds). None: run the model eagerly."""
         with torch.inference_mode():
             hidden = self.hidden(batch)
@@ -304,27 +304,27 @@ def replay_check(
 
 def capture_checked(
     body: torch.nn.Module,
-    graph_plan: GraphPlan,
+    cuda_graphs: GraphSteps,
     max_len: int,
     vocab_size: int,
     device: torch.device,
     min_cosine: float,
     capture: Callable[..., Replay] = cuda_graph,
-) -> tuple[GraphRunner | None, GraphPlan, str]:
+) -> tuple[GraphRunner | None, GraphSteps, str]:
     """(runner, plan, what to log): the plan's graphs captured, then every step replayed against the eager
     body (replay_check). A replay below `min_cosine` gives no runner and a plan that is off and says why
     (the worker serves eagerly); an error while capturing is raised to the caller."""
-    runner = GraphRunner(body, graph_plan, max_len, device, capture)
+    runner = GraphRunner(body, cuda_graphs, max_len, device, capture)
     replay = replay_check(runner, body, max_len, vocab_size, device)
     if replay.min_cosine < min_cosine:
         off = (
             f"replay disagreed with the eager forward: cosine {replay.min_cosine:.6f} at step "
             f"{replay.step} (needs {min_cosine}); serving eagerly"
         )
-        return None, GraphPlan((), 0, off), f"WARNING: CUDA graphs off, {off}"
+        return None, GraphSteps((), 0, off), f"WARNING: CUDA graphs off, {off}"
     return (
         runner,
-        graph_plan,
+        cuda_graphs,
         (
             f"CUDA graph replays match the eager forward at {replay.steps_checked} steps "
             f"(cosine >= {replay.min_cosine:.6f})"

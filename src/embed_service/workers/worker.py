@@ -136,7 +136,7 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
     import torch
     import torch.distributed as dist
 
-    from embed_service.models.loader import Embedder
+    from embed_service.models.loader import EmbeddingModel
     from embed_service.models.spec import load_spec
     from embed_service.ops import attention, fused
     from embed_service.ops.batch import FlatBatch
@@ -182,7 +182,7 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
     if null_model.wanted():  # benchmarks only: no weights, constant outputs (workers/null_model.py)
         model: Any = null_model.NullModel(spec.dimension)
     else:
-        model = Embedder(spec, DTYPES[dtype], device).eval()
+        model = EmbeddingModel(spec, DTYPES[dtype], device).eval()
     say(f"weights loaded in {time.perf_counter() - t0:.1f}s; warming up")
 
     runner: Any = None  # workers/graphs.GraphRunner once captured (before the warm-up and the check)
@@ -229,7 +229,7 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
     ids, lengths = warmup_shape(spec.max_input_length, cfg.max_batch_tokens, cfg.device)
     # The graphs first: their memory pool exists before the warm-up's largest batch shows whether the
     # budget fits beside it, and the fidelity check below runs through the replays that will serve.
-    runner, graph_plan = _capture(model, spec, cfg, device, attention_backend, int(ids.size), say)
+    runner, cuda_graphs = _capture(model, spec, cfg, device, attention_backend, int(ids.size), say)
 
     everything = [OutputRequest(spec.outputs)]  # warm every head the model has
     t1 = time.perf_counter()
@@ -278,7 +278,7 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
                 "kernels": kernels,
                 "attention": attention_backend,
                 "fidelity": check.info(),
-                "cuda_graphs": graph_plan.info(),
+                "cuda_graphs": cuda_graphs.info(),
             },
         )
     )
@@ -306,33 +306,33 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
 
 
 def _capture(model: Any, spec: Any, cfg: WorkerConfig, device: Any, backend: str, batch_tokens: int, say):
-    """(GraphRunner or None, GraphPlan): the plan's graphs captured, then every step replayed against the
+    """(GraphRunner or None, GraphSteps): the plan's graphs captured, then every step replayed against the
     eager body (graphs.replay_check). A failed capture or a replay below --fidelity-min-cosine (0.999 when
     the check is off) leaves the worker eager, with the reason in the plan (/info) and the log."""
     from embed_service.workers import graphs, null_model
 
-    graph_plan = graphs.plan(
+    cuda_graphs = graphs.choose_steps(
         cfg.cuda_graphs, device.type, backend, spec.family.module, cfg.world_size, batch_tokens
     )
     if null_model.wanted():
-        graph_plan = graphs.GraphPlan((), 0, "no model (the null model)")
-    if not graph_plan.steps:
-        return None, graph_plan
-    t0, steps = time.perf_counter(), len(graph_plan.steps)
+        cuda_graphs = graphs.GraphSteps((), 0, "no model (the null model)")
+    if not cuda_graphs.steps:
+        return None, cuda_graphs
+    t0, steps = time.perf_counter(), len(cuda_graphs.steps)
     vocab = int(spec.config.get("vocab_size") or 1000)
     need = cfg.fidelity_min_cosine or 0.999
     try:
-        runner, graph_plan, note = graphs.capture_checked(
-            model.model, graph_plan, spec.max_input_length, vocab, device, need
+        runner, cuda_graphs, note = graphs.capture_checked(
+            model.model, cuda_graphs, spec.max_input_length, vocab, device, need
         )
     except Exception as exc:
         if is_fatal(exc):
             raise
         off = f"capture failed: {type(exc).__name__}: {exc}"
         say(f"WARNING: CUDA graphs off, {off}")
-        return None, graphs.GraphPlan((), 0, off)
+        return None, graphs.GraphSteps((), 0, off)
     say(f"{note} ({steps} CUDA graphs captured and replayed in {time.perf_counter() - t0:.1f}s)")
-    return runner, graph_plan
+    return runner, cuda_graphs
 
 
 # Seconds the ranks wait for each other to agree on a batch's outcome (see agree() in _serve).

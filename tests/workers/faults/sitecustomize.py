@@ -82,9 +82,9 @@ def _install() -> None:
         if oom or "fatal-token" in FAULTS:
             import torch
 
-            from embed_service.models.loader import Embedder
+            from embed_service.models.loader import EmbeddingModel
 
-            forward = Embedder.forward
+            forward = EmbeddingModel.forward
 
             def faulty_forward(self, batch, requests):
                 ids = batch.input_ids
@@ -99,7 +99,7 @@ def _install() -> None:
                     )
                 return forward(self, batch, requests)
 
-            Embedder.forward = faulty_forward
+            EmbeddingModel.forward = faulty_forward
         return choice
 
     fused.configure = faulty_configure
