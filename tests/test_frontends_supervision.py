@@ -28,6 +28,7 @@ from tests.test_frontends import FLAGS, TEXTS, alive, embed, metric
 from tests.test_tracing import Collector, traceparent
 
 WAIT_S = 120.0  # the most any event below is waited for: past it the test fails (it never passes on time)
+LIMIT = 6  # --max-connections: room for the test's own connections at once, not for one more
 SLOW = ["an input that keeps the engine busy for a while " * 8] * 200  # with --max-batch-requests 1
 
 
@@ -71,8 +72,19 @@ def holder(server: ServerProcess, client: socket.socket) -> int:
     raise LookupError(f"no front end holds the connection from port {port}")
 
 
+def served_on_each(server: ServerProcess, n: int) -> bool:
+    """`n` connections open at once, each answered (not the 503 of --max-connections)."""
+    clients = [httpx.Client(base_url=server.url, timeout=30) for _ in range(n)]
+    try:
+        return all(c.post("/v1/embeddings", json={"input": ["x"]}).status_code == 200 for c in clients)
+    finally:
+        for c in clients:
+            c.close()
+
+
 def test_a_killed_front_end_is_restarted_while_the_other_serves():
-    server = ServerProcess(*FLAGS, "--http-processes", "2", "--max-batch-requests", "1").wait_healthy()
+    flags = ("--http-processes", "2", "--max-batch-requests", "1", "--max-connections", str(LIMIT))
+    server = ServerProcess(*FLAGS, *flags).wait_healthy()
     try:
         before = frontends(server)
         assert len(before) == 2, before
@@ -112,6 +124,9 @@ def test_a_killed_front_end_is_restarted_while_the_other_serves():
         with ThreadPoolExecutor(8) as pool:
             codes = [r.status_code for r in pool.map(lambda t: embed(server.url, [t]), TEXTS * 4)]
         assert codes == [200] * len(codes)
+        # The killed front end's open connection is not counted against --max-connections any more (once
+        # the connections closed above are reaped, every one of the limit's connections is served).
+        wait_for(f"{LIMIT} connections served at once", lambda: served_on_each(server, LIMIT), server)
     finally:
         server.stop()
     assert server.proc.returncode == 0, server.output()
