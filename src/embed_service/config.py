@@ -103,6 +103,11 @@ class ServerSettings(BaseSettings):
     engines (admission, batching, workers, metrics) over a local socket. For a fast accelerator that one
     HTTP process cannot keep busy (docs/performance.md)."""
 
+    engine_call_timeout: float = 600.0
+    """With --http-processes N > 1: seconds a front end waits for the engine process to answer one call
+    (an embedding request, a tokenization, a drain's wait); past it the request gets 503 and the engine's
+    work for it is cancelled."""
+
     @field_validator("otlp_endpoint")
     @classmethod
     def _otlp_url(cls, v: str | None) -> str | None:
@@ -118,7 +123,12 @@ class ServerSettings(BaseSettings):
         return v
 
     @field_validator(
-        "max_header_bytes", "header_timeout", "body_timeout", "keep_alive_timeout", "max_connections"
+        "max_header_bytes",
+        "header_timeout",
+        "body_timeout",
+        "keep_alive_timeout",
+        "max_connections",
+        "engine_call_timeout",
     )
     @classmethod
     def _positive_http_limit(cls, v: float) -> float:

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI
@@ -19,10 +19,9 @@ from embed_service.api.auth import ApiKeys, load_api_keys
 from embed_service.api.errors import install_handlers
 from embed_service.api.routes import check_api_key, router
 from embed_service.config import ServerSettings
-from embed_service.engine.engine import Engine
 from embed_service.engine.errors import ModelNotFoundError
+from embed_service.engine.protocol import ServingEngine
 from embed_service.plan import Plan
-from embed_service.workers.device import this_machine
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +29,12 @@ log = logging.getLogger(__name__)
 class Models:
     """The served engines by name (canonical names and aliases); the first answers requests naming none."""
 
-    def __init__(self, engines: list[Engine]):
+    def __init__(self, engines: list[ServingEngine]):
         self.engines = engines
         self.by_name = {name: e for e in engines for name in e.served_names}
         self.default = engines[0]
 
-    def get(self, name: str | None) -> Engine:
+    def get(self, name: str | None) -> ServingEngine:
         if name is None:
             return self.default
         try:
@@ -59,7 +58,7 @@ class ServerState:
         self.draining = False
         self.fatal: str | None = None
         self.on_fatal: list[Any] = []
-        # With several HTTP processes: a coroutine for the engine process's /metrics text (frontends.py).
+        # With several HTTP processes: a coroutine for the engine process's /metrics text (frontends/).
         self.metrics_text: Any = None
 
     def begin_drain(self) -> None:
@@ -68,12 +67,18 @@ class ServerState:
             e.begin_drain()
 
 
-def create_app(settings: ServerSettings, engines: list[Engine], plan: Plan | None = None) -> FastAPI:
+def create_app(
+    settings: ServerSettings, engines: Sequence[ServingEngine], plan: Plan | None = None
+) -> FastAPI:
     """The app serving `engines` (one per model); `plan`: the resource plan they were built from (default:
     their own shares, on this machine)."""
     if plan is None:
+        # Not at the top: workers.device imports torch, which an HTTP front end (given its engine
+        # process's plan) must not load; only a caller that gives no plan pays for it.
+        from embed_service.workers.device import this_machine
+
         plan = Plan(this_machine(any(e.device == "cuda" for e in engines)), tuple(e.plan for e in engines))
-    state = ServerState(settings, Models(engines), load_api_keys(settings), plan)
+    state = ServerState(settings, Models(list(engines)), load_api_keys(settings), plan)
 
     def fatal(reason: str) -> None:
         state.fatal = reason

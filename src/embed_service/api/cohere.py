@@ -24,8 +24,9 @@ from embed_service.api.errors import invalid_request
 from embed_service.api.openapi import errors, json_body, ok
 from embed_service.api.routes import Authorized, json_answer, read_json, serving, until_disconnect
 from embed_service.api.schemas import CohereEmbedRequest, CohereEmbedResponse
-from embed_service.engine.engine import EmbedOptions, Engine, output_dimension
 from embed_service.engine.errors import InvalidInputError
+from embed_service.engine.protocol import ServingEngine
+from embed_service.engine.text import EmbedOptions, output_dimension
 from embed_service.outputs import DENSE_ONLY
 
 router = APIRouter()
@@ -66,7 +67,7 @@ def texts_of(body: CohereEmbedRequest) -> list[str]:
     return texts
 
 
-def options(body: CohereEmbedRequest, engine: Engine) -> EmbedOptions:
+def options(body: CohereEmbedRequest, engine: ServingEngine) -> EmbedOptions:
     if body.input_type == "image":
         raise invalid_request("input_type image: only text models are served", "input_type")
     limit = engine.spec.max_input_length

@@ -26,7 +26,7 @@ from embed_service.api.access_log import note
 from embed_service.api.openapi import errors, json_body, ok
 from embed_service.api.routes import Authorized, json_response, read_json, serving, until_disconnect
 from embed_service.api.schemas import TEXT_INPUT, Cut, Priority, _check_input
-from embed_service.engine.engine import EmbedOptions
+from embed_service.engine.text import EmbedOptions
 
 router = APIRouter()
 

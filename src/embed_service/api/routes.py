@@ -45,7 +45,8 @@ from embed_service.api.schemas import (
     TokenizeResponse,
 )
 from embed_service.engine.chunking import ChunkOptions, Chunks
-from embed_service.engine.engine import EmbedOptions, EmbedResult, Engine, output_dimension
+from embed_service.engine.protocol import ServingEngine
+from embed_service.engine.text import EmbedOptions, EmbedResult, output_dimension
 
 router = APIRouter()
 T = TypeVar("T")
@@ -176,7 +177,7 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
         watcher.cancel()
 
 
-def serving(request: Request, name: str | None) -> Engine:
+def serving(request: Request, name: str | None) -> ServingEngine:
     state = server(request)
     if state.draining:
         raise unavailable("the server is shutting down")
