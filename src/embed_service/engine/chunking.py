@@ -45,6 +45,16 @@ class ChunkOptions:
     enabled: bool | None = None
     overlap: int | None = None
     return_chunks: bool = False
+    mode: str = "window"
+    """"window": long inputs as averaged windows (this module); "late": late chunking (engine/late.py)."""
+    spans: tuple[tuple[int, int], ...] | None = None
+    """Late chunking: character spans [start, end) of the one input."""
+    size: int | None = None
+    """Late chunking: text tokens per chunk, cut by the server (`overlap` tokens shared)."""
+    context_overlap: int | None = None
+    """Long late chunking (not yet served): tokens of context the macro-windows share."""
+    joined: bool = False
+    """Jina's late_chunking: the inputs are the consecutive chunks of one document."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,8 @@ class ChunkRule:
     max_chars: int
     return_chunks: bool
     max_inputs: int | None = None
+    late: ChunkOptions | None = None
+    """Late chunking (engine/late.py): the request's options; None: windows."""
 
     @property
     def max_tokens(self) -> int | None:

@@ -23,7 +23,7 @@ from embed_service import metrics, observability
 from embed_service.batching.batcher import Batcher
 from embed_service.batching.sequence import RequestState, Sequence
 from embed_service.config import ModelSettings, Settings
-from embed_service.engine import chunking
+from embed_service.engine import chunking, late
 from embed_service.engine.admission import Admission, Limits, Permit, check_request, run_piecewise
 from embed_service.engine.errors import InvalidInputError, NotReadyError
 from embed_service.engine.replicas import Replicas
@@ -342,6 +342,8 @@ class TextSide:
         and ColBERT outputs are truncated as without it; a request that asks for chunking with them is a
         400."""
         asked = opts.chunking or chunking.ChunkOptions()
+        if asked.mode == "late":
+            return self._late_rule(inputs, asked, output)
         if asked.enabled is None:
             if not (self.settings.chunk_long_inputs and output.kinds == {DENSE}):
                 return None
@@ -367,6 +369,25 @@ class TextSide:
             asked.return_chunks,
             self.settings.max_client_batch_size,  # the request's budget, as without chunking
         )
+
+    def _late_rule(
+        self, inputs: Inputs, asked: chunking.ChunkOptions, output: OutputRequest
+    ) -> chunking.ChunkRule:
+        """Late chunking's refusals before admission (engine/late.py), and its rule."""
+        try:
+            if output.kinds != {DENSE}:
+                raise chunking.ChunkError(
+                    "late chunking pools dense vectors; ask for the sparse and colbert outputs without it",
+                    param="chunking",
+                )
+            if not isinstance(inputs[0], str):
+                raise chunking.ChunkError("chunking applies to text inputs; token ids are used verbatim")
+            if not asked.joined:  # Jina's shape: the inputs are the spans
+                late.check_options(asked, len(inputs))
+        except chunking.ChunkError as exc:
+            raise InvalidInputError(str(exc), param=exc.param) from None
+        max_length = self.spec.max_input_length
+        return chunking.ChunkRule(0, 1, max_length, self.settings.max_input_chars, True, late=asked)
 
 
 class _Run:
@@ -634,6 +655,8 @@ class Engine(TextSide):
     async def embed(self, inputs: Inputs, opts: EmbedOptions | None = None) -> EmbedResult:
         opts = opts or EmbedOptions()
         output, rule, prompt, chunk_rule = self._embed_checks(inputs, opts)
+        if chunk_rule is not None and chunk_rule.late is not None:  # late chunking: engine/late.py
+            return await self._embed_late(inputs, opts, chunk_rule, prompt)  # type: ignore[arg-type]
         if chunk_rule is not None:  # long inputs as windows: engine/chunking.py
             return await self._embed_windowed(inputs, opts, chunk_rule, prompt)  # type: ignore[arg-type]
 
@@ -742,6 +765,54 @@ class Engine(TextSide):
                 for v, ws in zip(pooled, planned)
             ]
         return EmbedResult(finish(combined, opts.dimensions, normalize), run.tokens, chunks)
+
+    async def _embed_late(
+        self, inputs: list[str], opts: EmbedOptions, rule: chunking.ChunkRule, prompt: str | None
+    ) -> EmbedResult:
+        """embed() with late chunking: each input one sequence (admitted as without chunking), asking for
+        its plain vector and its chunks' pooled vectors (engine/late.py)."""
+        asked = rule.late
+        assert asked is not None
+        check_request(inputs, prompt, self.limits)
+        texts, spans = inputs, asked
+        if asked.joined:  # Jina's late_chunking: the inputs are one document's chunks
+            text, cut = late.joined(inputs)
+            texts, spans = [text], dataclasses.replace(asked, spans=tuple(cut))
+        try:
+            self.tokenizer.check_prompt(prompt, rule.max_length)
+            chunking.check_chars(texts, prompt, rule)
+        except (chunking.ChunkError, PromptError) as exc:
+            raise InvalidInputError(str(exc), param=exc.param) from None
+
+        def plan(piece: list[str], at: int) -> list[late.LatePlan]:
+            try:
+                return [
+                    late.plan(self.tokenizer, t, prompt, spans, rule.max_length, at + i)
+                    for i, t in enumerate(piece)
+                ]
+            except chunking.ChunkError as exc:
+                raise InvalidInputError(str(exc), param=exc.param) from None
+
+        planned: list[late.LatePlan] = []
+        with _Run(self, self.admission.admit(len(texts))) as run:
+
+            async def start(first: int, k: int) -> list[asyncio.Future]:
+                with self._tokenizing():
+                    done = await self._on_tokenizer(texts, first, k, prompt, plan)
+                planned.extend(done)
+                return run.submit([p.ids for p in done], [p.request for p in done])
+
+            results = await run_piecewise(run.permit, len(texts), start)
+            run.answered()
+        normalize = self.spec.normalize if opts.normalize is None else opts.normalize
+        chunks = [
+            chunking.Chunks(p.spans, finish(r.late, opts.dimensions, normalize))
+            for p, r in zip(planned, results)
+        ]
+        if asked.joined:  # one vector per input: the chunks' vectors
+            return EmbedResult(chunks[0].vectors, run.tokens)
+        dense = finish(np.stack([r.dense for r in results]), opts.dimensions, normalize)
+        return EmbedResult(dense, run.tokens, chunks)
 
     # --- scoring models: rerank and classify (engine/scoring.py) ----------------------------------------
 

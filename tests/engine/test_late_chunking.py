@@ -1,0 +1,251 @@
+"""Late chunking against the paper's algorithm, written here over transformers' last_hidden_state.
+
+The reference (Günther et al. 2024, arXiv 2409.04701; their ``late_chunking``): the whole text through
+transformers' BertModel once, in float32, with [CLS] and [SEP]; each chunk's vector is the mean of the
+last hidden states of its tokens ([first, end) token positions from the tokenizer's offsets), then
+normalized. The server's chunk vectors must match it to a cosine of 0.99999, alone and in a batch with
+other documents.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.engine import test_chunking
+from tests.server import ServerProcess, read_corpus
+
+MAX_LENGTH = 256  # the packaged MiniLM's max_seq_length
+EXACT = 0.99999
+hf = test_chunking.hf  # a fixture: MiniLM's tokenizer and BertModel in transformers, float32
+QUANTIZED: tuple[tuple[Literal["int8", "ubinary"], int], ...] = (("int8", 1), ("ubinary", 0))  # dtype, steps
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    with ServerProcess("--dtype", "float32") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def document() -> str:
+    """A passage of the suite's corpus that fits MiniLM's window (about 200 tokens)."""
+    return " ".join(read_corpus("passages.jsonl", 4))[:900]
+
+
+def sentence_spans(text: str) -> list[tuple[int, int]]:
+    """Character spans of the text's sentences (cut after each '. '), covering it."""
+    spans, start = [], 0
+    for i, ch in enumerate(text):
+        if ch == "." and (i + 1 == len(text) or text[i + 1] == " "):
+            spans.append((start, i + 1))
+            start = i + 1
+    if start < len(text):
+        spans.append((start, len(text)))
+    return spans
+
+
+def paper(hf, text: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, list[int]]:
+    """The paper's late chunking: (S, D) normalized chunk vectors, and each chunk's token count.
+
+    Token spans from the tokenizer's offsets: a chunk's tokens are those whose first character is in it."""
+    import torch
+
+    tok, model = hf
+    enc = tok(text, return_offsets_mapping=True, return_tensors="pt")
+    offsets = enc.pop("offset_mapping")[0].tolist()
+    special = set(tok.all_special_ids)
+    ids = enc["input_ids"][0].tolist()
+    token_spans = []
+    for s, e in spans:
+        inside = [t for t, (a, _) in enumerate(offsets) if ids[t] not in special and s <= a < e]
+        token_spans.append((inside[0], inside[-1] + 1))
+    with torch.no_grad():
+        hidden = model(**enc).last_hidden_state[0]
+    pooled = np.stack([hidden[a:b].mean(0).numpy() for a, b in token_spans]).astype(np.float64)
+    return pooled / np.linalg.norm(pooled, axis=1, keepdims=True), [b - a for a, b in token_spans]
+
+
+def post(server: ServerProcess, inputs, **kw) -> httpx.Response:
+    return httpx.post(server.url + "/v1/embeddings", json={"input": inputs, **kw}, timeout=300)
+
+
+def chunk_vectors(item: dict) -> np.ndarray:
+    return np.array([c["embedding"] for c in item["chunks"]], dtype=np.float64)
+
+
+def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a = a / np.linalg.norm(a, axis=1, keepdims=True)
+    b = b / np.linalg.norm(b, axis=1, keepdims=True)
+    return float(np.min(np.sum(a * b, axis=1)))
+
+
+def test_spans_match_the_papers_late_chunking(server, hf, document):
+    spans = sentence_spans(document)
+    assert len(spans) >= 4
+    r = post(server, document, chunking={"mode": "late", "spans": [list(s) for s in spans]})
+    assert r.status_code == 200, r.text
+    item = r.json()["data"][0]
+    ref, counts = paper(hf, document, spans)
+    assert [(c["start"], c["end"], c["tokens"]) for c in item["chunks"]] == [
+        (s, e, n) for (s, e), n in zip(spans, counts)
+    ]
+    assert min_cosine(chunk_vectors(item), ref) >= EXACT
+    # The input's own vector is its plain one (one forward pass gives both), and usage counts its tokens.
+    plain = post(server, document).json()
+    assert min_cosine(np.array([item["embedding"]]), np.array([plain["data"][0]["embedding"]])) >= EXACT
+    assert r.json()["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+    # Context matters: a chunk embedded alone is another vector.
+    alone = post(server, document[spans[1][0] : spans[1][1]]).json()["data"][0]["embedding"]
+    assert min_cosine(np.array([alone]), ref[1:2]) < 0.99
+
+
+def test_spans_answer_in_their_order(server, hf, document):
+    spans = sentence_spans(document)[:3][::-1]
+    r = post(server, document, chunking={"mode": "late", "spans": [list(s) for s in spans]})
+    ref, _ = paper(hf, document, spans)
+    assert [(c["start"], c["end"]) for c in r.json()["data"][0]["chunks"]] == spans
+    assert min_cosine(chunk_vectors(r.json()["data"][0]), ref) >= EXACT
+
+
+def test_size_cut_chunks_match_the_paper_and_a_batch_changes_nothing(server, hf, document):
+    tok, _ = hf
+    size, overlap = 48, 8
+    enc = tok(document, add_special_tokens=False, return_offsets_mapping=True)
+    n, offsets = len(enc["input_ids"]), enc["offset_mapping"]
+    bounds, s = [], 0
+    while True:
+        bounds.append((s, min(s + size, n)))
+        if s + size >= n:
+            break
+        s += size - overlap
+    spans = [(offsets[a][0], offsets[b - 1][1]) for a, b in bounds]
+    options = {"mode": "late", "size": size, "overlap": overlap}
+    alone = post(server, document, chunking=options)
+    assert alone.status_code == 200, alone.text
+    item = alone.json()["data"][0]
+    assert [(c["start"], c["end"], c["tokens"]) for c in item["chunks"]] == [
+        (a, b, t - s) for (a, b), (s, t) in zip(spans, bounds)
+    ]
+    # The reference: token spans [1 + a, 1 + b) of the sequence ([CLS] first); chunks may share tokens.
+    import torch
+
+    x = tok(document, return_tensors="pt")
+    with torch.no_grad():
+        hidden = hf[1](**x).last_hidden_state[0]
+    ref = np.stack([hidden[1 + a : 1 + b].mean(0).numpy() for a, b in bounds])
+    assert min_cosine(chunk_vectors(item), ref) >= EXACT
+    # Batch invariance: with other documents in the request, and beside concurrent requests.
+    others = [p[:600] for p in read_corpus("passages.jsonl", 12)[5:9]]
+    batched = post(server, [others[0], document, *others[1:]], chunking=options)
+    assert batched.status_code == 200, batched.text
+    assert min_cosine(chunk_vectors(batched.json()["data"][1]), chunk_vectors(item)) >= EXACT
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda t: post(server, t, chunking=options), [document, *others[:3]] * 2))
+    for a in answers[::4]:
+        assert min_cosine(chunk_vectors(a.json()["data"][0]), chunk_vectors(item)) >= EXACT
+
+
+def test_dimensions_normalization_and_dtypes_apply_to_chunk_vectors(server, hf, document):
+    cut = sentence_spans(document)[:3]
+    ref, _ = paper(hf, document, cut)
+    options = {"mode": "late", "spans": [list(s) for s in cut]}
+    r = post(server, document, chunking=options, dimensions=64, normalize=False).json()["data"][0]
+    got = chunk_vectors(r)
+    assert got.shape == (3, 64)
+    assert min_cosine(got, ref[:, :64]) >= EXACT
+    assert np.linalg.norm(got, axis=1).min() > 1.01  # not normalized: MiniLM's mean vectors are longer
+    # The compact encodings as sentence-transformers quantizes the reference (int8: to one bucket).
+    from sentence_transformers.util.quantization import quantize_embeddings
+
+    ranges = np.array([[-1.0] * 384, [1.0] * 384])
+    for dtype, tolerance in QUANTIZED:
+        b64 = post(server, document, chunking=options, encoding_format="base64", embed_dtype=dtype).json()
+        kind = np.int8 if dtype == "int8" else np.uint8
+        rows = [np.frombuffer(base64.b64decode(c["embedding"]), kind) for c in b64["data"][0]["chunks"]]
+        want = np.asarray(quantize_embeddings(ref.astype(np.float32), dtype, ranges=ranges), np.int16)
+        assert np.abs(np.array(rows, dtype=np.int16) - want).max() <= tolerance, dtype
+
+
+@pytest.mark.parametrize(
+    "spans, message",
+    [
+        ([[0, 10_000]], "chunking.spans[0] = [0, 10000] is out of range"),
+        ([[5, 5]], "chunking.spans[0] = [5, 5] is empty"),
+        ([[0, 40], [30, 60]], "chunking.spans[0] = [0, 40] and chunking.spans[1] = [30, 60] overlap"),
+        ([[8, 4]], "chunking.spans[0] = [8, 4] is out of range"),
+    ],
+)
+def test_a_bad_span_is_a_400_naming_it(server, document, spans, message):
+    r = post(server, document, chunking={"mode": "late", "spans": spans})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "chunking.spans" and message in error["message"], error
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": ["a b", "c d"], "chunking": {"mode": "late", "spans": [[0, 1]]}}, "chunking.spans"),
+        ({"input": ["a b"], "chunking": {"mode": "late"}}, "chunking"),
+        ({"input": ["a b"], "chunking": {"mode": "late", "size": 4, "overlap": 4}}, "chunking.overlap"),
+        ({"input": ["a b"], "chunking": {"spans": [[0, 1]]}}, "chunking.mode"),
+        # A malformed span fails the schema: the message names it (the param is the top-level field).
+        ({"input": ["a b"], "chunking": {"mode": "late", "spans": [[0, 1.5]]}}, "chunking"),
+        ({"input": ["a b"], "chunking": {"mode": "late", "spans": [[0, -1]]}}, "chunking"),
+    ],
+)
+def test_a_bad_late_chunking_request_is_a_400(server, body, param):
+    r = httpx.post(server.url + "/v1/embeddings", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+    assert "chunking" in r.json()["error"]["message"], r.json()
+
+
+def test_a_document_past_the_window_is_refused_and_the_server_keeps_serving(server, document):
+    long = " ".join(read_corpus("passages.jsonl", 12))
+    r = post(server, long, chunking={"mode": "late", "size": 32})
+    assert r.status_code == 400 and "window" in r.json()["error"]["message"], r.text
+    assert post(server, document, chunking={"mode": "late", "size": 32}).status_code == 200
+
+
+def test_jinas_late_chunking_shape_answers_one_vector_per_input(server, hf, document):
+    """``late_chunking: true``: the inputs are one document's consecutive chunks (joined as they are)."""
+    spans = sentence_spans(document)
+    chunks = [document[s:e] for s, e in spans]
+    r = post(server, chunks, late_chunking=True)
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    assert [d["index"] for d in data] == list(range(len(chunks)))
+    ref, _ = paper(hf, document, spans)
+    got = np.array([d["embedding"] for d in data], dtype=np.float64)
+    assert min_cosine(got, ref) >= EXACT
+    assert r.json()["usage"]["prompt_tokens"] == post(server, document).json()["usage"]["prompt_tokens"]
+    both = post(server, chunks, late_chunking=True, chunking={"mode": "late", "size": 8})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "chunking"
+
+
+def test_the_python_api_gives_the_servers_chunk_vectors(server, hf, document):
+    from embed_service import Embedder
+
+    spans = sentence_spans(document)
+    ref, counts = paper(hf, document, spans)
+    with Embedder(dtype="float32") as e:
+        got = e.encode(document, chunking={"mode": "late", "spans": [list(s) for s in spans]})
+        assert got.spans == [(s, t, n) for (s, t), n in zip(spans, counts)]
+        assert min_cosine(got.vectors.astype(np.float64), ref) >= EXACT
+        sized = e.encode([document, document[:300]], chunking={"mode": "late", "size": 40})
+        http = post(server, [document, document[:300]], chunking={"mode": "late", "size": 40}).json()
+        for mine, item in zip(sized, http["data"]):
+            assert mine.spans == [(c["start"], c["end"], c["tokens"]) for c in item["chunks"]]
+            assert min_cosine(mine.vectors.astype(np.float64), chunk_vectors(item)) >= EXACT
+        jina = e.encode([document[s:t] for s, t in spans], late_chunking=True)
+        assert jina.shape == (len(spans), 384)
+        assert min_cosine(jina.astype(np.float64), ref) >= EXACT
