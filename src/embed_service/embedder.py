@@ -352,7 +352,10 @@ class Embedder:
             return result
 
         try:
-            results = await _in_pieces(inputs, engine, request.opts, piece)
+            if request.opts.chunking is not None and request.opts.chunking.joined:
+                results = [await piece(inputs)]  # Jina's late chunking: the inputs are one document
+            else:
+                results = await _in_pieces(inputs, engine, request.opts, piece)
         finally:
             if bar is not None:
                 bar.close()

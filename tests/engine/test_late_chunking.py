@@ -52,7 +52,7 @@ def sentence_spans(text: str) -> list[tuple[int, int]]:
 
 
 def paper(hf, text: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, list[int]]:
-    """The paper's late chunking: (S, D) normalized chunk vectors, and each chunk's token count.
+    """The paper's late chunking: (S, D) chunk vectors (not normalized), and each chunk's token count.
 
     Token spans from the tokenizer's offsets: a chunk's tokens are those whose first character is in it."""
     import torch
@@ -69,7 +69,7 @@ def paper(hf, text: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, list
     with torch.no_grad():
         hidden = model(**enc).last_hidden_state[0]
     pooled = np.stack([hidden[a:b].mean(0).numpy() for a, b in token_spans]).astype(np.float64)
-    return pooled / np.linalg.norm(pooled, axis=1, keepdims=True), [b - a for a, b in token_spans]
+    return pooled, [b - a for a, b in token_spans]
 
 
 def post(server: ServerProcess, inputs, **kw) -> httpx.Response:
@@ -160,7 +160,7 @@ def test_dimensions_normalization_and_dtypes_apply_to_chunk_vectors(server, hf, 
     got = chunk_vectors(r)
     assert got.shape == (3, 64)
     assert min_cosine(got, ref[:, :64]) >= EXACT
-    assert np.linalg.norm(got, axis=1).min() > 1.01  # not normalized: MiniLM's mean vectors are longer
+    np.testing.assert_allclose(got, ref[:, :64], atol=1e-5)  # the first 64 features, not normalized
     # The compact encodings as sentence-transformers quantizes the reference (int8: to one bucket).
     from sentence_transformers.util.quantization import quantize_embeddings
 
@@ -169,7 +169,8 @@ def test_dimensions_normalization_and_dtypes_apply_to_chunk_vectors(server, hf, 
         b64 = post(server, document, chunking=options, encoding_format="base64", embed_dtype=dtype).json()
         kind = np.int8 if dtype == "int8" else np.uint8
         rows = [np.frombuffer(base64.b64decode(c["embedding"]), kind) for c in b64["data"][0]["chunks"]]
-        want = np.asarray(quantize_embeddings(ref.astype(np.float32), dtype, ranges=ranges), np.int16)
+        unit = (ref / np.linalg.norm(ref, axis=1, keepdims=True)).astype(np.float32)
+        want = np.asarray(quantize_embeddings(unit, dtype, ranges=ranges), np.int16)
         assert np.abs(np.array(rows, dtype=np.int16) - want).max() <= tolerance, dtype
 
 
@@ -249,3 +250,32 @@ def test_the_python_api_gives_the_servers_chunk_vectors(server, hf, document):
         jina = e.encode([document[s:t] for s, t in spans], late_chunking=True)
         assert jina.shape == (len(spans), 384)
         assert min_cosine(jina.astype(np.float64), ref) >= EXACT
+
+
+def test_a_prompt_leads_the_sequence_and_the_spans_stay_in_the_text(server, hf, document):
+    """With a prompt the sequence is [CLS] prompt text [SEP] (the prompt's tokens on their own); the spans
+    are characters of the text, and its chunks pool the text's tokens only."""
+    import torch
+
+    tok, model = hf
+    prompt, spans = "query: ", sentence_spans(document)[:3]
+    head = [tok.cls_token_id, *tok(prompt, add_special_tokens=False)["input_ids"]]
+    enc = tok(document, add_special_tokens=False, return_offsets_mapping=True)
+    x = torch.tensor([head + enc["input_ids"] + [tok.sep_token_id]])
+    with torch.no_grad():
+        hidden = model(input_ids=x, attention_mask=torch.ones_like(x)).last_hidden_state[0]
+    starts = [a for a, _ in enc["offset_mapping"]]
+    ref = []
+    for s, e in spans:
+        inside = [t for t, a in enumerate(starts) if s <= a < e]
+        ref.append(hidden[len(head) + inside[0] : len(head) + inside[-1] + 1].mean(0).numpy())
+    r = post(server, document, prompt=prompt, chunking={"mode": "late", "spans": [list(s) for s in spans]})
+    assert r.status_code == 200, r.text
+    assert min_cosine(chunk_vectors(r.json()["data"][0]), np.array(ref, dtype=np.float64)) >= EXACT
+
+
+def test_jinas_shape_names_the_input_that_holds_no_token(server):
+    r = post(server, ["Berlin is a city.", "   ", "It grew."], late_chunking=True)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "input"
+    assert "input 1 holds no token" in r.json()["error"]["message"]

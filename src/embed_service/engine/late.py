@@ -128,7 +128,11 @@ def plan(
             raise ChunkError(f"input {index} has no tokens to chunk")
         bounds = window_bounds(len(ids), opts.size, opts.overlap or 0)
     else:
-        bounds = token_bounds(spans, [o[0] for o in offsets])
+        starts = [o[0] for o in offsets]
+        # Jina's shape: the spans are the inputs
+        bounds = (
+            token_bounds(spans, starts, "input {}", "input") if opts.joined else token_bounds(spans, starts)
+        )
     chars = [(offsets[s][0], offsets[t - 1][1]) for s, t in bounds] if spans is None else spans
     rows = tuple((len(head) + s, len(head) + t) for s, t in bounds)
     return LatePlan(
@@ -138,13 +142,16 @@ def plan(
     )
 
 
-def token_bounds(spans: list[tuple[int, int]], starts: list[int]) -> list[tuple[int, int]]:
+def token_bounds(
+    spans: list[tuple[int, int]], starts: list[int], name: str = "chunking.spans[{}] = {}", param: str = SPANS
+) -> list[tuple[int, int]]:
     """Each character span's tokens, as [first, last + 1): those whose first character lies in the span
-    (`starts`: each token's first character, ascending). A span that holds no token is refused."""
+    (`starts`: each token's first character, ascending). A span that holds no token is refused (`name`:
+    how the message names span j, formatted with j and the span)."""
     out = []
     for j, (s, e) in enumerate(spans):
         first, end = bisect.bisect_left(starts, s), bisect.bisect_left(starts, e)
         if first == end:
-            raise ChunkError(f"chunking.spans[{j}] = [{s}, {e}] holds no token (only whitespace?)", SPANS)
+            raise ChunkError(f"{name.format(j, [s, e])} holds no token (only whitespace?)", param)
         out.append((first, end))
     return out
