@@ -119,12 +119,7 @@ def test_size_cut_chunks_match_the_paper_and_a_batch_changes_nothing(server, hf,
     size, overlap = 48, 8
     enc = tok(document, add_special_tokens=False, return_offsets_mapping=True)
     n, offsets = len(enc["input_ids"]), enc["offset_mapping"]
-    bounds, s = [], 0
-    while True:
-        bounds.append((s, min(s + size, n)))
-        if s + size >= n:
-            break
-        s += size - overlap
+    bounds = size_bounds(n, size, overlap)
     spans = [(offsets[a][0], offsets[b - 1][1]) for a, b in bounds]
     options = {"mode": "late", "size": size, "overlap": overlap}
     alone = post(server, document, chunking=options)
@@ -210,11 +205,55 @@ def test_a_bad_late_chunking_request_is_a_400(server, body, param):
     assert "chunking" in r.json()["error"]["message"], r.json()
 
 
-def test_a_document_past_the_window_is_refused_and_the_server_keeps_serving(server, document):
-    long = " ".join(read_corpus("passages.jsonl", 12))
-    r = post(server, long, chunking={"mode": "late", "size": 32})
-    assert r.status_code == 400 and "window" in r.json()["error"]["message"], r.text
-    assert post(server, document, chunking={"mode": "late", "size": 32}).status_code == 200
+def size_bounds(n: int, size: int, overlap: int) -> list[tuple[int, int]]:
+    """[first, end) text tokens of each size-cut chunk: `size` tokens, `size - overlap` apart."""
+    bounds, s = [], 0
+    while True:
+        bounds.append((s, min(s + size, n)))
+        if s + size >= n:
+            return bounds
+        s += size - overlap
+
+
+@pytest.mark.parametrize("context", [0, 32])
+def test_a_document_past_the_window_matches_the_papers_long_late_chunking(server, hf, context):
+    """The paper's code (`_embed_with_overlap`): the whole sequence, [CLS] and [SEP] at its ends only, cut
+    into windows of 256 tokens `256 - context` apart; the token vectors of the first window, then of each
+    next one without its first `context` tokens, concatenated; each chunk the mean of its tokens'."""
+    import torch
+
+    tok, model = hf
+    long = " ".join(read_corpus("passages.jsonl", 12))[:3000]
+    x = tok(long, return_tensors="pt")["input_ids"]
+    n = x.shape[1]
+    assert n > 2 * MAX_LENGTH
+    pieces = []
+    with torch.no_grad():
+        for start in range(0, n, MAX_LENGTH - context):
+            w = x[:, start : start + MAX_LENGTH]
+            hidden = model(input_ids=w, attention_mask=torch.ones_like(w)).last_hidden_state[0]
+            pieces.append(hidden if start == 0 else hidden[context:])
+    tokens = torch.cat(pieces)
+    assert tokens.shape[0] == n
+    bounds = size_bounds(n - 2, 64, 0)
+    ref = np.stack([tokens[1 + a : 1 + b].mean(0).numpy() for a, b in bounds])
+    r = post(server, long, chunking={"mode": "late", "size": 64, "context_overlap": context})
+    assert r.status_code == 200, r.text
+    item = r.json()["data"][0]
+    assert len(item["chunks"]) == len(bounds)
+    assert min_cosine(chunk_vectors(item), ref) >= EXACT
+    # The input's own vector: the mean of all its token vectors.
+    assert min_cosine(np.array([item["embedding"]]), tokens.mean(0).numpy()[None]) >= EXACT
+    # Usage: every window's tokens (the windows the paper's loop runs that own a token).
+    starts = range(0, n - context, MAX_LENGTH - context)
+    assert r.json()["usage"]["prompt_tokens"] == sum(min(MAX_LENGTH, n - s) for s in starts)
+
+
+def test_a_context_overlap_past_half_a_window_is_a_400(server):
+    long = " ".join(read_corpus("passages.jsonl", 12))[:3000]
+    r = post(server, long, chunking={"mode": "late", "size": 64, "context_overlap": 200})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chunking.context_overlap", r.text
+    assert post(server, long[:300], chunking={"mode": "late", "size": 32}).status_code == 200
 
 
 def test_jinas_late_chunking_shape_answers_one_vector_per_input(server, hf, document):

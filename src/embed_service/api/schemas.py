@@ -180,7 +180,8 @@ class Chunking(BaseModel):
     size: TokenCount | None = None
     """Late chunking: chunks of this many text tokens, cut by the server."""
     context_overlap: Overlap | None = None
-    """Long late chunking (documents past the max input length): not served yet; inputs must fit."""
+    """Long late chunking (an input past the max input length, as macro-windows): the tokens of context each
+    window shares with the one before (at most half a window; default 0)."""
 
 
 class EmbeddingRequest(BaseModel):

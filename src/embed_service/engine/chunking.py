@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +52,7 @@ class ChunkOptions:
     size: int | None = None
     """Late chunking: text tokens per chunk, cut by the server (`overlap` tokens shared)."""
     context_overlap: int | None = None
-    """Long late chunking (not yet served): tokens of context the macro-windows share."""
+    """Long late chunking: tokens of context each macro-window shares with the one before."""
     joined: bool = False
     """Jina's late_chunking: the inputs are the consecutive chunks of one document."""
 
@@ -140,7 +140,7 @@ class Tally:
     windows: int = 0
     tokens: int = 0
 
-    def add(self, windows: list[Window], index: int) -> None:
+    def add(self, windows: Sequence[Window], index: int) -> None:
         """Count input `index`'s windows; refuse the request once they pass its budget."""
         self.windows += len(windows)
         self.tokens += sum(len(w.ids) for w in windows)

@@ -386,8 +386,16 @@ class TextSide:
                 late.check_options(asked, len(inputs))
         except chunking.ChunkError as exc:
             raise InvalidInputError(str(exc), param=exc.param) from None
-        max_length = self.spec.max_input_length
-        return chunking.ChunkRule(0, 1, max_length, self.settings.max_input_chars, True, late=asked)
+        s = self.settings
+        return chunking.ChunkRule(
+            0,
+            s.max_chunks_per_input,  # a long input's macro-windows
+            self.spec.max_input_length,
+            s.max_input_chars,
+            True,
+            s.max_client_batch_size,  # the request's budget, as without chunking
+            late=asked,
+        )
 
 
 class _Run:
@@ -784,34 +792,45 @@ class Engine(TextSide):
         except (chunking.ChunkError, PromptError) as exc:
             raise InvalidInputError(str(exc), param=exc.param) from None
 
+        tally = chunking.Tally(rule)  # the request's sequences and tokens, against its budget
+        combinable = not self.spec.dense  # a long input's chunks combine pieces: no Dense layers after
+
         def plan(piece: list[str], at: int) -> list[late.LatePlan]:
             try:
-                return [
-                    late.plan(self.tokenizer, t, prompt, spans, rule.max_length, at + i)
-                    for i, t in enumerate(piece)
-                ]
+                out = []
+                for i, t in enumerate(piece):
+                    p = late.plan(
+                        self.tokenizer, t, prompt, spans, rule.max_length, at + i, rule.max_chunks, combinable
+                    )
+                    tally.add(p.windows, at + i)
+                    out.append(p)
+                return out
             except chunking.ChunkError as exc:
                 raise InvalidInputError(str(exc), param=exc.param) from None
 
         planned: list[late.LatePlan] = []
         with _Run(self, self.admission.admit(len(texts))) as run:
 
-            async def start(first: int, k: int) -> list[asyncio.Future]:
+            async def plan_piece(first: int, k: int) -> list[list[late.LateWindow]]:
                 with self._tokenizing():
                     done = await self._on_tokenizer(texts, first, k, prompt, plan)
                 planned.extend(done)
-                return run.submit([p.ids for p in done], [p.request for p in done])
+                return [p.windows for p in done]
 
-            results = await run_piecewise(run.permit, len(texts), start)
+            def submit(windows: list[late.LateWindow]) -> list[asyncio.Future]:
+                return run.submit([w.ids for w in windows], [w.request for w in windows])
+
+            results = await chunking.run_windowed(run.permit, len(texts), plan_piece, submit)  # type: ignore[arg-type]
             run.answered()
         normalize = self.spec.normalize if opts.normalize is None else opts.normalize
+        pooled = [late.combine(p, r) for p, r in zip(planned, results)]
         chunks = [
-            chunking.Chunks(p.spans, finish(r.late, opts.dimensions, normalize))
-            for p, r in zip(planned, results)
+            chunking.Chunks(p.spans, finish(v, opts.dimensions, normalize))
+            for p, (v, _) in zip(planned, pooled)
         ]
         if asked.joined:  # one vector per input: the chunks' vectors
             return EmbedResult(chunks[0].vectors, run.tokens)
-        dense = finish(np.stack([r.dense for r in results]), opts.dimensions, normalize)
+        dense = finish(np.stack([d for _, d in pooled]), opts.dimensions, normalize)
         return EmbedResult(dense, run.tokens, chunks)
 
     # --- scoring models: rerank and classify (engine/scoring.py) ----------------------------------------
