@@ -318,3 +318,17 @@ def test_jinas_shape_names_the_input_that_holds_no_token(server):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "input"
     assert "input 1 holds no token" in r.json()["error"]["message"]
+
+
+def test_late_chunking_passes_through_front_end_processes(hf, document):
+    """With --http-processes 2 the front ends hand late chunking to the engine process, unchanged."""
+    spans = sentence_spans(document)
+    ref, _ = paper(hf, document, spans)
+    with ServerProcess("--dtype", "float32", "--http-processes", "2") as s:
+        for _ in range(2):  # either front end
+            r = post(s, document, chunking={"mode": "late", "spans": [list(x) for x in spans]})
+            assert r.status_code == 200, r.text
+            assert min_cosine(chunk_vectors(r.json()["data"][0]), ref) >= EXACT
+            jina = post(s, [document[a:b] for a, b in spans], late_chunking=True)
+            got = np.array([d["embedding"] for d in jina.json()["data"]], dtype=np.float64)
+            assert min_cosine(got, ref) >= EXACT

@@ -323,7 +323,8 @@ class Embedding(BaseModel):
     """Numbers (integers for the integer and bit embed_dtypes), or with ``encoding_format: base64`` the
     base64 of the vector's little-endian bytes. Present when the dense output was asked for (the default)."""
     chunks: list[Chunk] | None = None
-    """With ``chunking.return_chunks``: the windows, in order."""
+    """With ``chunking.return_chunks``: the windows, in order; with ``"mode": "late"``: the late chunks, in
+    the order of ``chunking.spans`` (or of the text, for ``size``)."""
     sparse: SparseVector | None = None
     """With ``outputs`` naming ``sparse``."""
     colbert: list[list[float]] | list[str] | None = None

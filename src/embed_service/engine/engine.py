@@ -777,8 +777,9 @@ class Engine(TextSide):
     async def _embed_late(
         self, inputs: list[str], opts: EmbedOptions, rule: chunking.ChunkRule, prompt: str | None
     ) -> EmbedResult:
-        """embed() with late chunking: each input one sequence (admitted as without chunking), asking for
-        its plain vector and its chunks' pooled vectors (engine/late.py)."""
+        """embed() with late chunking (engine/late.py): each input one sequence asking for its plain vector
+        and its chunks' pooled vectors, or a long one's macro-windows; planned whole first and run as the
+        windows of chunking.run_windowed are (an input that fits is one window, as without chunking)."""
         asked = rule.late
         assert asked is not None
         check_request(inputs, prompt, self.limits)
