@@ -40,7 +40,7 @@ def document() -> str:
 
 
 def sentence_spans(text: str) -> list[tuple[int, int]]:
-    """Character spans of the text's sentences (cut after each '. '), covering it."""
+    """Character spans of the text's sentences (cut after each '. '), but one of whitespace only."""
     spans, start = [], 0
     for i, ch in enumerate(text):
         if ch == "." and (i + 1 == len(text) or text[i + 1] == " "):
@@ -48,7 +48,7 @@ def sentence_spans(text: str) -> list[tuple[int, int]]:
             start = i + 1
     if start < len(text):
         spans.append((start, len(text)))
-    return spans
+    return [(s, e) for s, e in spans if text[s:e].strip()]
 
 
 def paper(hf, text: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, list[int]]:
@@ -67,7 +67,7 @@ def paper(hf, text: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, list
         inside = [t for t, (a, _) in enumerate(offsets) if ids[t] not in special and s <= a < e]
         token_spans.append((inside[0], inside[-1] + 1))
     with torch.no_grad():
-        hidden = model(**enc).last_hidden_state[0]
+        hidden = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).last_hidden_state[0]
     pooled = np.stack([hidden[a:b].mean(0).numpy() for a, b in token_spans]).astype(np.float64)
     return pooled, [b - a for a, b in token_spans]
 
@@ -332,3 +332,32 @@ def test_late_chunking_passes_through_front_end_processes(hf, document):
             jina = post(s, [document[a:b] for a, b in spans], late_chunking=True)
             got = np.array([d["embedding"] for d in jina.json()["data"]], dtype=np.float64)
             assert min_cosine(got, ref) >= EXACT
+
+
+def test_a_tiny_random_modernbert_with_a_long_window(tmp_path_factory, default_model_path):
+    """ModernBERT (local and global attention layers, a 512-token window): spans of a ~400-token text."""
+    from dataclasses import replace
+
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from tests.models.test_families import CASES
+    from tests.models.tiny import build
+
+    tiny = replace(next(c for c in CASES if c.name == "modernbert"), max_seq_length=512)
+    path = build(tiny, tmp_path_factory.mktemp("late-modernbert"), {"wordpiece": default_model_path})
+    reference = (
+        AutoTokenizer.from_pretrained(str(path)),
+        AutoModel.from_pretrained(str(path), dtype=torch.float32),
+    )
+    text = " ".join(read_corpus("passages.jsonl", 12))[:1600]
+    n = len(reference[0](text)["input_ids"])
+    assert MAX_LENGTH < n <= 512
+    spans = sentence_spans(text)
+    ref, counts = paper(reference, text, spans)
+    with ServerProcess("--model", str(path), "--dtype", "float32") as s:
+        r = post(s, text, chunking={"mode": "late", "spans": [list(x) for x in spans]})
+        assert r.status_code == 200, r.text
+        item = r.json()["data"][0]
+        assert [c["tokens"] for c in item["chunks"]] == counts
+        assert min_cosine(chunk_vectors(item), ref) >= EXACT
