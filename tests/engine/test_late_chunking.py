@@ -334,30 +334,44 @@ def test_late_chunking_passes_through_front_end_processes(hf, document):
             assert min_cosine(got, ref) >= EXACT
 
 
-def test_a_tiny_random_modernbert_with_a_long_window(tmp_path_factory, default_model_path):
-    """ModernBERT (local and global attention layers, a 512-token window): spans of a ~400-token text."""
+def test_a_tiny_random_modernbert_with_a_long_window_cls_pooling_and_a_dense_layer(
+    tmp_path_factory, default_model_path
+):
+    """ModernBERT (local and global attention layers, a 512-token window) with CLS pooling and a Dense layer
+    after it: spans of a ~400-token text pool by the mean (the paper's), then the Dense layer, as
+    sentence-transformers' Dense module applies it. A text past the window is a 400: pieces of windows do
+    not combine through a Dense layer."""
     from dataclasses import replace
 
     import torch
+    from sentence_transformers import SentenceTransformer
     from transformers import AutoModel, AutoTokenizer
 
     from tests.models.test_families import CASES
     from tests.models.tiny import build
 
-    tiny = replace(next(c for c in CASES if c.name == "modernbert"), max_seq_length=512)
+    modernbert = next(c for c in CASES if c.name == "modernbert")
+    tiny = replace(modernbert, max_seq_length=512, pooling="cls", normalize=False, dense=((24, True),))
     path = build(tiny, tmp_path_factory.mktemp("late-modernbert"), {"wordpiece": default_model_path})
     reference = (
         AutoTokenizer.from_pretrained(str(path)),
         AutoModel.from_pretrained(str(path), dtype=torch.float32),
     )
+    dense = SentenceTransformer(str(path), device="cpu")[2]
     text = " ".join(read_corpus("passages.jsonl", 12))[:1600]
     n = len(reference[0](text)["input_ids"])
     assert MAX_LENGTH < n <= 512
     spans = sentence_spans(text)
-    ref, counts = paper(reference, text, spans)
+    means, counts = paper(reference, text, spans)
+    with torch.no_grad():
+        ref = dense({"sentence_embedding": torch.tensor(means, dtype=torch.float32)})["sentence_embedding"]
     with ServerProcess("--model", str(path), "--dtype", "float32") as s:
         r = post(s, text, chunking={"mode": "late", "spans": [list(x) for x in spans]})
         assert r.status_code == 200, r.text
         item = r.json()["data"][0]
         assert [c["tokens"] for c in item["chunks"]] == counts
-        assert min_cosine(chunk_vectors(item), ref) >= EXACT
+        got = chunk_vectors(item)
+        assert got.shape == (len(spans), 24)
+        assert min_cosine(got, ref.numpy().astype(np.float64)) >= EXACT
+        long = post(s, " ".join(read_corpus("passages.jsonl", 12)), chunking={"mode": "late", "size": 64})
+        assert long.status_code == 400 and "Dense" in long.json()["error"]["message"], long.text
