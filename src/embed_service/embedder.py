@@ -43,6 +43,7 @@ from embed_service.api.routes import embed_options
 from embed_service.api.schemas import EmbeddingRequest, TokenizeRequest
 from embed_service.config import Settings
 from embed_service.engine.admission import input_chars
+from embed_service.engine.chunking import Chunks
 from embed_service.engine.engine import EmbedOptions, Engine, output_dimension
 from embed_service.engine.errors import EngineError, InvalidInputError, OverloadedError
 from embed_service.outputs import COLBERT, DENSE, SPARSE, Sparse
@@ -82,6 +83,8 @@ class Encoded:
     prompt_tokens: int
     sparse: list[Sparse] | None = None
     colbert: list[np.ndarray] | None = None
+    chunks: list[Chunks] | None = None
+    """Late chunking: per input its chunks, their vectors encoded as the embeddings are."""
 
 
 class _Loop:
@@ -208,6 +211,8 @@ class Embedder:
         outputs: Sequence[str] | None = None,
         embed_dtype: str = "float32",
         embed_ranges: Sequence[Any] | None = None,
+        chunking: dict[str, Any] | None = None,
+        late_chunking: bool | None = None,
         show_progress_bar: bool = False,
     ) -> Any:
         """Embed texts or token ids; the vectors as numpy, equal to the server's for the same request.
@@ -228,12 +233,18 @@ class Embedder:
             embed_dtype: "float32" (default), "float16", "bfloat16" (its bits as uint16), "int8",
                 "uint8", "binary" or "ubinary" (int8 / uint8 of 8 packed sign bits), as the API's.
             embed_ranges: int8/uint8 only: [low, high], or [[lows...], [highs...]] (default [-1, 1]).
+            chunking: the API's ``chunking`` object; ``{"mode": "late", "spans": [[start, end], ...]}``
+                or ``{"mode": "late", "size": N, "overlap": M}``: late chunking (docs/api.md).
+            late_chunking: Jina's shape: the inputs are the consecutive chunks of one document, embedded
+                in one forward pass; one vector per input.
             show_progress_bar: a tqdm bar on stderr, in inputs.
 
         Returns:
             Without ``outputs``: the (n, D) array (a single text or token-id list gives one (D,) row).
             With ``outputs``: a dict with the kinds asked for: "dense" the array, "sparse" a list of
             `Sparse` (token ids, weights), "colbert" a list of (tokens - 1, C) float32 arrays.
+            With late chunking by ``chunking``: per input a `Chunks` (``spans``: (start, end, tokens) per
+            chunk; ``vectors``: one row per chunk, encoded as ``embed_dtype`` says); one for a single text.
 
         Raises:
             InvalidInputError: what the API answers with a 400, with its message.
@@ -255,6 +266,8 @@ class Embedder:
         outputs: Sequence[str] | None = None,
         embed_dtype: str = "float32",
         embed_ranges: Sequence[Any] | None = None,
+        chunking: dict[str, Any] | None = None,
+        late_chunking: bool | None = None,
         show_progress_bar: bool = False,
     ) -> Any:
         """`encode` for asyncio code: awaits the engine's thread from the caller's loop (cancelling the
@@ -361,7 +374,10 @@ class Embedder:
             return result
 
         try:
-            results = await _in_pieces(inputs, engine, request.opts, piece)
+            if request.opts.chunking is not None and request.opts.chunking.joined:
+                results = [await piece(inputs)]  # Jina's late chunking: the inputs are one document
+            else:
+                results = await _in_pieces(inputs, engine, request.opts, piece)
         finally:
             if bar is not None:
                 bar.close()
@@ -376,6 +392,13 @@ class Embedder:
             sum(r.prompt_tokens for r in results),
             [s for r in results for s in r.sparse] if SPARSE in kinds else None,
             [c for r in results for c in r.colbert] if COLBERT in kinds else None,
+            [
+                Chunks(c.spans, encodings.encode(c.vectors, request.body.embed_dtype, request.ranges))
+                for r in results
+                for c in r.chunks
+            ]
+            if results[0].chunks is not None
+            else None,
         )
 
 
@@ -445,6 +468,8 @@ def _validate(schema: Any, data: dict[str, Any]) -> Any:
 
 
 def _shape(request: _Request, encoded: Encoded, single: bool) -> Any:
+    if encoded.chunks is not None and request.opts.chunking and request.opts.chunking.mode == "late":
+        return encoded.chunks[0] if single else encoded.chunks
     if request.body.outputs is None:
         return encoded.embeddings[0] if single else encoded.embeddings
     result: dict[str, Any] = {}

@@ -20,7 +20,9 @@ DENSE = "dense"
 SPARSE = "sparse"
 COLBERT = "colbert"
 SCORE = "score"
-KINDS = (DENSE, SPARSE, COLBERT, SCORE)
+LATE = "late"
+KINDS = (DENSE, SPARSE, COLBERT, SCORE, LATE)
+"""LATE is internal: late chunking (engine/late.py) asks for it with the spans to pool; no API names it."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,9 @@ class OutputRequest:
     """Where the second text of a pair starts (a cross-encoder's query, document): its tokens, to the end,
     are token type 1; 0: one text, every token type 0. Pairs are [CLS] A [SEP] B [SEP], so one offset is
     the whole of the token type ids, and it costs nothing to carry."""
+    spans: tuple[tuple[int, int], ...] = ()
+    """With LATE: the rows [start, end) of the sequence whose token vectors each chunk's vector averages
+    (late chunking); a few pairs per sequence."""
 
 
 DENSE_ONLY = OutputRequest()
@@ -52,13 +57,15 @@ class SequenceOutput:
     dense: (D,) float32, pooled and through the Dense layers, not normalized (normalization and `dimensions`
     are per request, in the engine). sparse: the maximum weight per token id. colbert: (L - 1, C) float32,
     one normalized vector per token after the first. score: (num_labels,) float32, a scoring model's raw
-    logits (the engine applies the activation; models/scoring.py).
+    logits (the engine applies the activation; models/scoring.py). late: (S, D) float32, per span of the
+    request the mean of its rows' last hidden states in float32, then the Dense layers, not normalized.
     """
 
     dense: np.ndarray | None = None
     sparse: Sparse | None = None
     colbert: np.ndarray | None = None
     score: np.ndarray | None = None
+    late: np.ndarray | None = None
 
     def kinds(self) -> frozenset[str]:
         return frozenset(k for k in KINDS if getattr(self, k) is not None)

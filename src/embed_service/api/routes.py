@@ -45,6 +45,7 @@ from embed_service.api.schemas import (
     TokenizeResponse,
 )
 from embed_service.engine.chunking import ChunkOptions, Chunks
+from embed_service.engine.errors import InvalidInputError
 from embed_service.engine.protocol import ServingEngine
 from embed_service.engine.text import EmbedOptions, EmbedResult, output_dimension
 
@@ -187,7 +188,7 @@ def serving(request: Request, name: str | None) -> ServingEngine:
 
 
 def embed_options(body: EmbeddingRequest) -> EmbedOptions:
-    """The engine's options for an embeddings request (chunking aside), for this route and the Python API."""
+    """The engine's options for an embeddings request, for this route and the Python API."""
     return EmbedOptions(
         body.truncate,
         body.truncation_direction,
@@ -198,7 +199,28 @@ def embed_options(body: EmbeddingRequest) -> EmbedOptions:
         outputs=frozenset(body.outputs) if body.outputs else None,  # None: the model's default
         max_active_dims=body.max_active_dims,
         sparse_threshold=body.sparse_threshold,
+        chunking=chunk_options(body),
     )
+
+
+def chunk_options(body: EmbeddingRequest) -> ChunkOptions | None:
+    """The engine's chunking options: windows of long inputs (engine/chunking.py) or late chunking
+    (engine/late.py: `chunking.mode` "late", or Jina's `late_chunking`)."""
+    c = body.chunking
+    if body.late_chunking:
+        if c is not None:
+            raise invalid_request(
+                "late_chunking: true and chunking are two ways to ask; send one", "chunking"
+            )
+        return ChunkOptions(True, mode="late", joined=True)
+    if c is None:
+        return None
+    spans = None if c.spans is None else tuple((s, e) for s, e in c.spans)
+    if c.mode == "window" and (spans is not None or c.size is not None or c.context_overlap is not None):
+        raise InvalidInputError(
+            'chunking.spans, size and context_overlap apply to "mode": "late"', "chunking.mode"
+        )
+    return ChunkOptions(c.enabled, c.overlap, c.return_chunks, c.mode, spans, c.size, c.context_overlap)
 
 
 @router.post(
@@ -219,9 +241,6 @@ async def embeddings(request: Request, _: Authorized) -> Response:
     kinds = engine.output_request(opts.outputs).kinds
     encodings.check_applies(kinds, body.embed_dtype, body.dimensions, body.embed_ranges)
     ranges = encodings.check_ranges(body.embed_dtype, body.embed_ranges, dimension)
-    if body.chunking is not None:  # long inputs (engine/chunking.py)
-        c = body.chunking
-        opts.chunking = ChunkOptions(c.enabled, c.overlap, c.return_chunks)
     result = await until_disconnect(request, engine.embed(body.input, opts))
     note(request, tokens=result.prompt_tokens)
     dense = "dense" in kinds

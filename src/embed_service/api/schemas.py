@@ -73,6 +73,7 @@ Dimensions = Annotated[StrictInt, _in_range(1, MAX_DIMENSIONS), _integers(1, MAX
 TokenCount = Annotated[StrictInt, _in_range(1, MAX_TOKENS), _integers(1, MAX_TOKENS)]
 Overlap = Annotated[StrictInt, _in_range(0, MAX_TOKENS), _integers(0, MAX_TOKENS)]
 Cut = Annotated[StrictInt, _in_range(1, MAX_INT32), _integers(1, MAX_INT32)]
+CharOffset = Annotated[StrictInt, _in_range(0, MAX_INT32), _integers(0, MAX_INT32)]
 Priority = Annotated[StrictInt, _in_range(-MAX_INT32 - 1, MAX_INT32), _integers(-MAX_INT32 - 1, MAX_INT32)]
 
 
@@ -144,17 +145,43 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+Span = Annotated[
+    tuple[CharOffset, CharOffset],
+    WithJsonSchema(
+        {
+            "type": "array",
+            "minItems": 2,
+            "maxItems": 2,
+            "items": {"type": "integer", "minimum": 0, "maximum": MAX_INT32},
+            "description": "[start, end): characters of the input.",
+        }
+    ),
+]
+
+
 class Chunking(BaseModel):
-    """How a text longer than the max input length is embedded: as windows whose vectors are averaged."""
+    """How a text is chunked: ``"mode": "window"`` (the default) embeds a text longer than the max input
+    length as windows whose vectors are averaged; ``"mode": "late"`` answers one vector per chunk of the
+    input from one forward pass of the whole input (late chunking; docs/api.md)."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     enabled: StrictBool = True
     """Chunk long texts (sending the object turns it on); false: truncate as without it."""
     overlap: Overlap | None = None
-    """Tokens each window shares with the one before it (at most half a window). Default: --chunk-overlap."""
+    """Tokens each window (or each size-cut late chunk) shares with the one before it (windows: at most half
+    a window; default --chunk-overlap. Late chunks: less than ``size``; default 0)."""
     return_chunks: StrictBool = False
-    """Also return each window's vector and its character span in the text."""
+    """Also return each window's vector and its character span in the text (late chunks always come back)."""
+    mode: Literal["window", "late"] = "window"
+    """``late``: late chunking, with ``spans`` or ``size``."""
+    spans: list[Span] | None = Field(None, max_length=MAX_TOKENS)
+    """Late chunking: the chunks, as character spans [start, end) of the one input, in the answer's order."""
+    size: TokenCount | None = None
+    """Late chunking: chunks of this many text tokens, cut by the server."""
+    context_overlap: Overlap | None = None
+    """Long late chunking (an input past the max input length, as macro-windows): the tokens of context each
+    window shares with the one before (at most half a window; default 0)."""
 
 
 class EmbeddingRequest(BaseModel):
@@ -189,6 +216,9 @@ class EmbeddingRequest(BaseModel):
     """int8/uint8 only: [low, high] for every dimension, or [[lows...], [highs...]]. Default [-1, 1]."""
     chunking: Chunking | None = None
     """Embed texts past the max input length as averaged windows (default: the server's --chunk-long-inputs)."""
+    late_chunking: StrictBool = False
+    """Jina's late chunking: the inputs are the consecutive chunks of one document, embedded in one forward
+    pass (joined as they are); one vector per input."""
     outputs: list[Literal["dense", "sparse", "colbert"]] | None = Field(None, min_length=1)
     """The outputs of each input, from one forward (default: dense; sparse for a SPLADE model). ``sparse``
     (lexical weights) and ``colbert`` (one vector per token) need a model with those heads (bge-m3, SPLADE);
@@ -266,14 +296,14 @@ class ErrorResponse(BaseModel):
 
 
 class Chunk(BaseModel):
-    """One window of a chunked text."""
+    """One window of a chunked text, or one late chunk."""
 
     start: int
-    """The first character of the text the window's tokens cover."""
+    """The first character of the text the window's tokens cover (a late chunk: its span's start)."""
     end: int
     """One past the last character covered."""
     tokens: int
-    """The window's text tokens (its weight in the average)."""
+    """The window's text tokens (its weight in the average); a late chunk's tokens pooled."""
     embedding: list[float] | str
 
 
@@ -293,7 +323,8 @@ class Embedding(BaseModel):
     """Numbers (integers for the integer and bit embed_dtypes), or with ``encoding_format: base64`` the
     base64 of the vector's little-endian bytes. Present when the dense output was asked for (the default)."""
     chunks: list[Chunk] | None = None
-    """With ``chunking.return_chunks``: the windows, in order."""
+    """With ``chunking.return_chunks``: the windows, in order; with ``"mode": "late"``: the late chunks, in
+    the order of ``chunking.spans`` (or of the text, for ``size``)."""
     sparse: SparseVector | None = None
     """With ``outputs`` naming ``sparse``."""
     colbert: list[list[float]] | list[str] | None = None

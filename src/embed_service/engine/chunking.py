@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +45,16 @@ class ChunkOptions:
     enabled: bool | None = None
     overlap: int | None = None
     return_chunks: bool = False
+    mode: str = "window"
+    """"window": long inputs as averaged windows (this module); "late": late chunking (engine/late.py)."""
+    spans: tuple[tuple[int, int], ...] | None = None
+    """Late chunking: character spans [start, end) of the one input."""
+    size: int | None = None
+    """Late chunking: text tokens per chunk, cut by the server (`overlap` tokens shared)."""
+    context_overlap: int | None = None
+    """Long late chunking: tokens of context each macro-window shares with the one before."""
+    joined: bool = False
+    """Jina's late_chunking: the inputs are the consecutive chunks of one document."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,8 @@ class ChunkRule:
     max_chars: int
     return_chunks: bool
     max_inputs: int | None = None
+    late: ChunkOptions | None = None
+    """Late chunking (engine/late.py): the request's options; None: windows."""
 
     @property
     def max_tokens(self) -> int | None:
@@ -128,7 +140,7 @@ class Tally:
     windows: int = 0
     tokens: int = 0
 
-    def add(self, windows: list[Window], index: int) -> None:
+    def add(self, windows: Sequence[Window], index: int) -> None:
         """Count input `index`'s windows; refuse the request once they pass its budget."""
         self.windows += len(windows)
         self.tokens += sum(len(w.ids) for w in windows)

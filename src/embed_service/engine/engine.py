@@ -19,7 +19,7 @@ from embed_service import metrics, observability
 from embed_service.batching.batcher import Batcher
 from embed_service.batching.sequence import RequestState, Sequence
 from embed_service.config import ModelSettings, Settings
-from embed_service.engine import chunking
+from embed_service.engine import chunking, late
 from embed_service.engine.admission import Admission, Permit, check_request, run_piecewise
 from embed_service.engine.errors import InvalidInputError, NotReadyError
 from embed_service.engine.replicas import Replicas
@@ -356,6 +356,8 @@ class Engine(TextSide):
     async def embed(self, inputs: Inputs, opts: EmbedOptions | None = None) -> EmbedResult:
         opts = opts or EmbedOptions()
         output, rule, prompt, chunk_rule = self._embed_checks(inputs, opts)
+        if chunk_rule is not None and chunk_rule.late is not None:  # late chunking: engine/late.py
+            return await self._embed_late(inputs, opts, chunk_rule, prompt)  # type: ignore[arg-type]
         if chunk_rule is not None:  # long inputs as windows: engine/chunking.py
             return await self._embed_windowed(inputs, opts, chunk_rule, prompt)  # type: ignore[arg-type]
 
@@ -464,6 +466,66 @@ class Engine(TextSide):
                 for v, ws in zip(pooled, planned)
             ]
         return EmbedResult(finish(combined, opts.dimensions, normalize), run.tokens, chunks)
+
+    async def _embed_late(
+        self, inputs: list[str], opts: EmbedOptions, rule: chunking.ChunkRule, prompt: str | None
+    ) -> EmbedResult:
+        """embed() with late chunking (engine/late.py): each input one sequence asking for its plain vector
+        and its chunks' pooled vectors, or a long one's macro-windows; planned whole first and run as the
+        windows of chunking.run_windowed are (an input that fits is one window, as without chunking)."""
+        asked = rule.late
+        assert asked is not None
+        check_request(inputs, prompt, self.limits)
+        texts, spans = inputs, asked
+        if asked.joined:  # Jina's late_chunking: the inputs are one document's chunks
+            text, cut = late.joined(inputs)
+            texts, spans = [text], dataclasses.replace(asked, spans=tuple(cut))
+        try:
+            self.tokenizer.check_prompt(prompt, rule.max_length)
+            chunking.check_chars(texts, prompt, rule)
+        except (chunking.ChunkError, PromptError) as exc:
+            raise InvalidInputError(str(exc), param=exc.param) from None
+
+        tally = chunking.Tally(rule)  # the request's sequences and tokens, against its budget
+        combinable = not self.spec.dense  # a long input's chunks combine pieces: no Dense layers after
+
+        def plan(piece: list[str], at: int) -> list[late.LatePlan]:
+            try:
+                out = []
+                for i, t in enumerate(piece):
+                    p = late.plan(
+                        self.tokenizer, t, prompt, spans, rule.max_length, at + i, rule.max_chunks, combinable
+                    )
+                    tally.add(p.windows, at + i)
+                    out.append(p)
+                return out
+            except chunking.ChunkError as exc:
+                raise InvalidInputError(str(exc), param=exc.param) from None
+
+        planned: list[late.LatePlan] = []
+        with _Run(self, self.admission.admit(len(texts))) as run:
+
+            async def plan_piece(first: int, k: int) -> list[list[late.LateWindow]]:
+                with self._tokenizing():
+                    done = await self._on_tokenizer(texts, first, k, prompt, plan)
+                planned.extend(done)
+                return [p.windows for p in done]
+
+            def submit(windows: list[late.LateWindow]) -> list[asyncio.Future]:
+                return run.submit([w.ids for w in windows], [w.request for w in windows])
+
+            results = await chunking.run_windowed(run.permit, len(texts), plan_piece, submit)  # type: ignore[arg-type]
+            run.answered()
+        normalize = self.spec.normalize if opts.normalize is None else opts.normalize
+        pooled = [late.combine(p, r) for p, r in zip(planned, results)]
+        chunks = [
+            chunking.Chunks(p.spans, finish(v, opts.dimensions, normalize))
+            for p, (v, _) in zip(planned, pooled)
+        ]
+        if asked.joined:  # one vector per input: the chunks' vectors
+            return EmbedResult(chunks[0].vectors, run.tokens)
+        dense = finish(np.stack([d for _, d in pooled]), opts.dimensions, normalize)
+        return EmbedResult(dense, run.tokens, chunks)
 
     # --- scoring models: rerank and classify (engine/scoring.py) ----------------------------------------
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from embed_service import metrics, observability
 from embed_service.config import Settings
-from embed_service.engine import chunking
+from embed_service.engine import chunking, late
 from embed_service.engine.admission import Limits, check_request
 from embed_service.engine.errors import InvalidInputError, NotReadyError
 from embed_service.engine.tokenizer import (
@@ -286,6 +286,8 @@ class TextSide:
         and ColBERT outputs are truncated as without it; a request that asks for chunking with them is a
         400."""
         asked = opts.chunking or chunking.ChunkOptions()
+        if asked.mode == "late":
+            return self._late_rule(inputs, asked, output)
         if asked.enabled is None:
             if not (self.settings.chunk_long_inputs and output.kinds == {DENSE}):
                 return None
@@ -310,4 +312,31 @@ class TextSide:
             self.settings.max_input_chars,
             asked.return_chunks,
             self.settings.max_client_batch_size,  # the request's budget, as without chunking
+        )
+
+    def _late_rule(
+        self, inputs: Inputs, asked: chunking.ChunkOptions, output: OutputRequest
+    ) -> chunking.ChunkRule:
+        """Late chunking's refusals before admission (engine/late.py), and its rule."""
+        try:
+            if output.kinds != {DENSE}:
+                raise chunking.ChunkError(
+                    "late chunking pools dense vectors; ask for the sparse and colbert outputs without it",
+                    param="chunking",
+                )
+            if not isinstance(inputs[0], str):
+                raise chunking.ChunkError("chunking applies to text inputs; token ids are used verbatim")
+            if not asked.joined:  # Jina's shape: the inputs are the spans
+                late.check_options(asked, len(inputs))
+        except chunking.ChunkError as exc:
+            raise InvalidInputError(str(exc), param=exc.param) from None
+        s = self.settings
+        return chunking.ChunkRule(
+            0,
+            s.max_chunks_per_input,  # a long input's macro-windows
+            self.spec.max_input_length,
+            s.max_input_chars,
+            True,
+            s.max_client_batch_size,  # the request's budget, as without chunking
+            late=asked,
         )

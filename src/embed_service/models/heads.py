@@ -11,6 +11,10 @@ logits over the vocabulary per token, in the model's dtype (the head is the chec
 model); then in float32 log(1 + ReLU(logits)) (``log1p_relu``: log1p once more), the maximum or the sum over
 the sequence's tokens, special tokens included, the zero entries dropped. The (tokens, vocabulary) logits
 never exist whole: they are made a few hundred rows at a time (SPLADE_CHUNK_ELEMENTS).
+
+Late chunking (engine/late.py): per span a sequence asks for, the mean of the span's rows of the last hidden
+states in float32 (the paper's pooling, whatever the model's own pooling), then the Dense layers as for the
+dense output, so a chunk vector is finished as a plain vector is.
 """
 
 from __future__ import annotations
@@ -22,7 +26,17 @@ import torch
 from torch import nn
 
 from embed_service.models.spec import SpladeSpec
-from embed_service.outputs import COLBERT, DENSE, KINDS, SCORE, SPARSE, OutputRequest, SequenceOutput, Sparse
+from embed_service.outputs import (
+    COLBERT,
+    DENSE,
+    KINDS,
+    LATE,
+    SCORE,
+    SPARSE,
+    OutputRequest,
+    SequenceOutput,
+    Sparse,
+)
 from embed_service.parallel import all_gather_last_dim, tp_world_size
 
 # Float32 elements of one (rows, vocabulary) slab of SPLADE logits or pooled rows: 64 MiB, whatever the batch.
@@ -87,6 +101,8 @@ class OutputHeads(nn.Module):
             self._sparse(hidden, ids, cu, want[SPARSE], outs)
         if want[COLBERT]:
             self._colbert(hidden, cu, want[COLBERT], outs)
+        if want[LATE]:
+            self._late(hidden, cu, [(i, requests[i].spans) for i in want[LATE]], outs)
         if want[SCORE]:
             assert self.score is not None, "only scoring models give scores (ModelSpec.outputs)"
             scores = self.score(hidden.float(), cu_seqlens)[torch.tensor(want[SCORE], device=hidden.device)]
@@ -127,6 +143,34 @@ class OutputHeads(nn.Module):
             n = cu[i + 1] - cu[i] - 1
             outs[i].colbert = vectors[start : start + n]
             start += n
+
+    def _late(
+        self,
+        hidden: torch.Tensor,
+        cu: list[int],
+        seqs: list[tuple[int, tuple[tuple[int, int], ...]]],
+        outs: list[SequenceOutput],
+    ) -> None:
+        """Each span's mean of its rows (spans may share rows), then the Dense layers: one (S, D) per sequence."""
+        rows: list[torch.Tensor] = []
+        seg: list[torch.Tensor] = []
+        counts: list[int] = []
+        for i, spans in seqs:
+            for s, e in spans:
+                rows.append(torch.arange(cu[i] + s, cu[i] + e))
+                seg.append(torch.full((e - s,), len(counts)))
+                counts.append(e - s)
+        device = hidden.device
+        sums = torch.zeros(len(counts), hidden.shape[1], dtype=torch.float32, device=device)
+        sums.index_add_(0, torch.cat(seg).to(device), hidden[torch.cat(rows).to(device)].float())
+        pooled = sums / torch.tensor(counts, dtype=torch.float32, device=device)[:, None]
+        for d in self.dense:
+            pooled = d(pooled)
+        vectors = pooled.cpu().numpy()
+        start = 0
+        for i, spans in seqs:
+            outs[i].late = vectors[start : start + len(spans)]
+            start += len(spans)
 
 
 class SpladeHead:
