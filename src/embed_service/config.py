@@ -287,6 +287,18 @@ class ModelSettings(BaseSettings):
     through the replays; a replica whose replay disagrees serves eagerly. /info says which steps, or why
     none. Off by default until benchmarks/gpu_check.sh has passed on a device."""
 
+    batch_invariant: bool = False
+    """Every output of a sequence the same bytes whatever else is in its batch, its position, the requests
+    in flight and the replica: each matmul runs in fixed tiles of 64 rows and padded attention one sequence
+    at a time (ops/invariance.py). Costs 12-30% of bulk throughput on a CPU (docs/performance.md). One choice
+    per process: it applies to every model served."""
+
+    cache_bytes: int = 0
+    """An exact in-process cache of sequence outputs, keyed by the model's weights digest and revision, the
+    dtype, device and options that change an output, and the token ids; LRU, at most this many bytes of
+    cached results. 0: no cache. A hit is the bytes a computation gives only when outputs do not depend on
+    the batch, so a cache turns --batch-invariant on."""
+
     @field_validator("fidelity_min_cosine")
     @classmethod
     def _cosine(cls, v: float) -> float:

@@ -197,6 +197,7 @@ def embed_options(body: EmbeddingRequest) -> EmbedOptions:
         outputs=frozenset(body.outputs) if body.outputs else None,  # None: the model's default
         max_active_dims=body.max_active_dims,
         sparse_threshold=body.sparse_threshold,
+        cache=body.cache,
     )
 
 

@@ -1,0 +1,88 @@
+"""The exact output cache (--cache-bytes): a warm run of a corpus answers the same bytes as the cold run,
+a request can opt out, and the options applied after the model (normalization, dimensions) work on hits
+as on misses. A real server on loopback with the packaged model in its default dtype."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import pytest
+
+from embed_service.cache import OutputCache
+from embed_service.outputs import DENSE_ONLY, SequenceOutput
+from tests.server import ServerProcess, read_corpus
+
+
+@pytest.fixture(scope="module")
+def cached() -> Iterator[ServerProcess]:
+    with ServerProcess("--cache-bytes", "20000000", "--data-parallel-size", "2") as server:
+        yield server
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    found = re.search(rf"^{name}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def embed(url: str, inputs, **extra) -> dict:
+    body = {"input": inputs, "encoding_format": "base64", **extra}
+    r = httpx.post(f"{url}/v1/embeddings", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_warm_run_answers_the_bytes_of_the_cold_run(cached):
+    corpus = read_corpus("passages.jsonl", 48) + read_corpus("queries.jsonl", 16)
+    hits, misses = (
+        metric(cached.url, "embed_cache_hits_total"),
+        metric(cached.url, "embed_cache_misses_total"),
+    )
+    cold = embed(cached.url, corpus)
+    assert metric(cached.url, "embed_cache_misses_total") - misses == len(corpus)
+    # Warm, in other batches: one text per request, in reverse order, and the whole corpus again.
+    singles = [embed(cached.url, [t])["data"][0]["embedding"] for t in reversed(corpus)]
+    warm = embed(cached.url, corpus)
+    assert warm == cold  # the whole response: vectors, usage, model
+    assert singles[::-1] == [d["embedding"] for d in cold["data"]]
+    assert metric(cached.url, "embed_cache_hits_total") - hits == 2 * len(corpus)
+    assert metric(cached.url, "embed_cache_bytes") > 0
+
+
+def test_a_request_that_opts_out_computes_and_gets_the_same_bytes(cached):
+    texts = read_corpus("queries.jsonl", 8)
+    embed(cached.url, texts)  # now cached
+    hits = metric(cached.url, "embed_cache_hits_total")
+    computed = embed(cached.url, texts, cache=False)
+    assert metric(cached.url, "embed_cache_hits_total") == hits
+    assert computed == embed(cached.url, texts)
+
+
+def test_options_after_the_model_apply_to_hits_as_to_misses(cached):
+    texts = read_corpus("passages.jsonl", 6)
+    embed(cached.url, texts)
+    for extra in ({"dimensions": 64}, {"normalize": False}, {"embed_dtype": "int8"}):
+        assert embed(cached.url, texts, **extra) == embed(cached.url, texts, cache=False, **extra), extra
+
+
+def test_cache_must_be_a_boolean(cached):
+    r = httpx.post(f"{cached.url}/v1/embeddings", json={"input": ["a"], "cache": "no"}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "cache"
+
+
+def test_the_lru_stays_within_its_bytes_and_evicts_the_oldest():
+    out = SequenceOutput()
+    out.dense = np.arange(100, dtype=np.float32)
+    cache = OutputCache(3 * 700, "model", "lru-test")
+    keys = [cache.key([101, i, 102], DENSE_ONLY) for i in range(5)]
+    for k in keys:
+        cache.put(k, out)
+    assert cache.bytes <= 3 * 700
+    assert cache.get(keys[0]) is None and cache.get(keys[1]) is None  # the two oldest went
+    hit = cache.get(keys[4])
+    assert hit is not None and hit.dense.tobytes() == out.dense.tobytes()
+    assert hit.dense is not out.dense  # a copy: a caller cannot change what the cache holds
