@@ -1,19 +1,22 @@
-"""The exact output cache (--cache-bytes): a warm run of a corpus answers the same bytes as the cold run,
-a request can opt out, and the options applied after the model (normalization, dimensions) work on hits
-as on misses. A real server on loopback with the packaged model in its default dtype."""
+"""The exact output cache (--cache-bytes, --cache-url): a warm run of a corpus answers the same bytes as the
+cold run, a request can opt out, the options applied after the model (normalization, dimensions) work on
+hits as on misses, servers share a real redis-server, and its outage degrades to computing. Real servers
+on loopback with the packaged model in its default dtype."""
 
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from collections.abc import Iterator
 
 import httpx
 import numpy as np
 import pytest
 
-from embed_service.cache import OutputCache
-from embed_service.outputs import DENSE_ONLY, SequenceOutput
-from tests.server import ServerProcess, read_corpus
+from embed_service.cache import OutputCache, pack, unpack
+from embed_service.outputs import DENSE_ONLY, SequenceOutput, Sparse
+from tests.server import ServerProcess, free_port, read_corpus
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +89,85 @@ def test_the_lru_stays_within_its_bytes_and_evicts_the_oldest():
     hit = cache.get(keys[4])
     assert hit is not None and hit.dense.tobytes() == out.dense.tobytes()
     assert hit.dense is not out.dense  # a copy: a caller cannot change what the cache holds
+
+
+class RedisServer:
+    """Debian's redis-server on a free loopback port, no persistence; ready when it says so."""
+
+    def __init__(self) -> None:
+        if shutil.which("redis-server") is None:
+            pytest.skip("redis-server is not installed (make test installs it: apt-get install redis-server)")
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:  # the event meant: its own ready line
+            if "Ready to accept connections" in line:
+                break
+        else:
+            raise RuntimeError(f"redis-server exited with {self.proc.wait()}")
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    yield server
+    server.stop()
+
+
+def test_replicas_share_what_one_computed_through_redis(redis_server):
+    corpus = read_corpus("passages.jsonl", 24)
+    flags = ("--cache-url", redis_server.url, "--data-parallel-size", "1")
+    with ServerProcess(*flags) as a:
+        cold = embed(a.url, corpus)
+    # Another server (another pod): no in-process cache, every sequence from Redis.
+    with ServerProcess(*flags) as b:
+        warm = embed(b.url, corpus)
+        assert metric(b.url, "embed_cache_hits_total") == len(corpus)
+        assert metric(b.url, "embed_cache_misses_total") == 0
+        assert metric(b.url, "embed_cache_redis_errors_total") == 0
+    assert warm == cold
+
+
+def test_a_redis_outage_degrades_to_computing():
+    redis = RedisServer()
+    with ServerProcess("--cache-url", redis.url, "--data-parallel-size", "1") as server:
+        texts = read_corpus("queries.jsonl", 8)
+        before = embed(server.url, texts, cache=False)
+        redis.stop()
+        during = embed(server.url, texts)
+        assert during == before
+        assert metric(server.url, "embed_cache_redis_errors_total") >= 1
+        assert metric(server.url, "embed_cache_misses_total") == len(texts)
+
+
+def test_outputs_round_trip_through_the_redis_format():
+    out = SequenceOutput()
+    out.dense = np.linspace(-1, 1, 7, dtype=np.float32)
+    out.colbert = np.arange(12, dtype=np.float32).reshape(3, 4)
+    out.sparse = Sparse(np.array([3, 9], dtype=np.int32), np.array([0.5, 0.25], dtype=np.float32))
+    back = unpack(pack(out))
+    assert back.dense.tobytes() == out.dense.tobytes() and back.dense.dtype == np.float32
+    assert back.colbert.tobytes() == out.colbert.tobytes() and back.colbert.shape == (3, 4)
+    assert back.sparse.indices.tobytes() == out.sparse.indices.tobytes()
+    assert back.sparse.values.tobytes() == out.sparse.values.tobytes()
+    assert back.score is None

@@ -299,6 +299,19 @@ class ModelSettings(BaseSettings):
     cached results. 0: no cache. A hit is the bytes a computation gives only when outputs do not depend on
     the batch, so a cache turns --batch-invariant on."""
 
+    cache_url: str | None = None
+    """A shared Redis (``redis://host:port/db``, ``rediss://``, ``unix://``) behind the in-process cache, for
+    every replica and pod serving the same model: the same keys, values in a pickle-free format. An
+    outage or a slow Redis (0.5 s timeouts) degrades to computing, counted in
+    embed_cache_redis_errors_total. Turns --batch-invariant on; needs the ``cache`` extra."""
+
+    @field_validator("cache_url")
+    @classmethod
+    def _redis_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        return v
+
     @field_validator("fidelity_min_cosine")
     @classmethod
     def _cosine(cls, v: float) -> float:

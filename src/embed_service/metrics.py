@@ -114,3 +114,9 @@ CACHE_EVICTIONS = Counter(
     ["model"],
     registry=REGISTRY,
 )
+CACHE_REDIS_ERRORS = Counter(
+    "embed_cache_redis_errors_total",
+    "Redis cache lookups and stores that failed (the sequences were computed; nothing failed).",
+    ["model"],
+    registry=REGISTRY,
+)
