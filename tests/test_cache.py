@@ -171,3 +171,12 @@ def test_outputs_round_trip_through_the_redis_format():
     assert back.sparse.indices.tobytes() == out.sparse.indices.tobytes()
     assert back.sparse.values.tobytes() == out.sparse.values.tobytes()
     assert back.score is None
+
+
+def test_info_says_the_guarantee_holds_as_the_self_check_proved(cached):
+    info = httpx.get(f"{cached.url}/info", timeout=30).json()
+    model = info["models"][0] if "models" in info else info
+    check = model["batch_invariance"]
+    assert check["enabled"] and check["verified"], check
+    assert check["checked"] == 3 * model["data_parallel_size"]  # three probes on every replica
+    assert model["cache"] == {"bytes": 20000000, "redis": False}

@@ -24,7 +24,7 @@ from embed_service.batching.batcher import Batcher
 from embed_service.batching.sequence import RequestState, Sequence
 from embed_service.cache import output_cache
 from embed_service.config import ModelSettings, Settings
-from embed_service.engine import chunking
+from embed_service.engine import chunking, invariance_check
 from embed_service.engine.admission import Admission, Limits, Permit, check_request, run_piecewise
 from embed_service.engine.errors import InvalidInputError, NotReadyError
 from embed_service.engine.replicas import Replicas
@@ -521,6 +521,17 @@ class Engine(TextSide):
         except Exception as exc:
             self._fail(str(exc))
             raise
+        self.invariance = await asyncio.to_thread(
+            invariance_check.check,
+            self._compute,
+            self.replicas,
+            self.spec.outputs,
+            self.spec.vocab_size or 1000,
+            self.spec.max_input_length,
+        )
+        if self.invariance["enabled"] and not self.invariance["verified"]:
+            log.warning("model %s: batch invariance not verified: %s", self.name, self.invariance["detail"])
+            self.cache = None  # its hits would not be the bytes a computation gives
         self.batcher = Batcher(
             [functools.partial(self._compute, replica=r) for r in range(self.replicas)],
             self.max_batch_tokens,
@@ -883,4 +894,9 @@ class Engine(TextSide):
             "fidelity": first.group.rank_info[0].get("fidelity") if first else None,
             # The token-count steps replayed from CUDA graphs, or why none are (workers/graphs.py).
             "cuda_graphs": first.group.rank_info[0].get("cuda_graphs") if first else None,
+            # --batch-invariant and its start-up self-check (engine/invariance_check.py); the cache's size.
+            "batch_invariance": getattr(self, "invariance", None),
+            "cache": None
+            if self.cache is None
+            else {"bytes": self.cache.max_bytes, "redis": bool(self.cache.redis)},
         }
