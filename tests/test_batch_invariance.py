@@ -90,15 +90,20 @@ def models(tmp_path_factory, default_model_path) -> Iterator[dict[tuple[str, str
     invariance.set_enabled(was)
 
 
+def forward(model: Embedder, ids: np.ndarray, lengths: np.ndarray, requests: list[OutputRequest]):
+    """The worker's compute for one batch (workers/worker.py `run`)."""
+    segments = [r.second_segment for r in requests]
+    batch = FlatBatch.from_lengths(torch.from_numpy(ids), lengths.tolist(), segments)
+    return model(batch, requests)
+
+
 def compute(model: Embedder):
-    """The worker's compute for one batch (workers/worker.py `run`), counted."""
+    """A replica's compute as the batcher calls it, counting the batches."""
 
     def run(ids: np.ndarray, lengths: np.ndarray, requests: list[OutputRequest]):
-        segments = [r.second_segment for r in requests]
-        batch = FlatBatch.from_lengths(torch.from_numpy(ids), lengths.tolist(), segments)
         with lock:
             BATCHES["count"] += 1
-        return model(batch, requests)
+        return forward(model, ids, lengths, requests)
 
     lock = threading.Lock()
     return run
@@ -111,7 +116,7 @@ def output_bytes(out) -> tuple:
 
 def alone(model: Embedder, ids: list[int], request: OutputRequest) -> tuple:
     lengths = np.array([len(ids)], dtype=np.int32)
-    return output_bytes(compute(model)(np.array(ids, dtype=np.int32), lengths, [request])[0])
+    return output_bytes(forward(model, np.array(ids, dtype=np.int32), lengths, [request])[0])
 
 
 sequence = st.lists(st.integers(1000, 30000), min_size=0, max_size=100).map(lambda ids: [101, *ids, 102])
@@ -197,3 +202,4 @@ def test_thousands_of_compositions_ran():
     if BATCHES["count"] == 0:
         pytest.skip("run with the property test (this checks its size)")
     assert BATCHES["count"] >= 1000, BATCHES["count"]
+    print(f"{BATCHES['count']} batches compared")
