@@ -20,9 +20,15 @@ def _bytes(out: SequenceOutput) -> tuple:
 
 
 def probes(vocab_size: int, max_len: int) -> list[list[int]]:
-    """Three sequences of fixed ids (5, 37 and up to 120 tokens), valid for any vocabulary of 1,000+."""
-    span = max(2, min(vocab_size, 30000) - 1000)
-    return [[1000 + (i * 7919 + n) % span for i in range(n)] for n in (5, 37, min(120, max_len))]
+    """Three sequences of fixed ids (5, 37 and up to 120 tokens) below `vocab_size`, away from the first
+    ids, where tokenizers keep their special tokens."""
+    base, span = _ids(vocab_size)
+    return [[base + (i * 7919 + n) % span for i in range(n)] for n in (5, 37, min(120, max_len))]
+
+
+def _ids(vocab_size: int) -> tuple[int, int]:
+    base = min(1000, vocab_size // 4)
+    return base, max(1, min(vocab_size, 30000) - base)
 
 
 def check(compute: Compute, replicas: int, kinds: frozenset[str], vocab_size: int, max_len: int) -> dict:
@@ -32,7 +38,8 @@ def check(compute: Compute, replicas: int, kinds: frozenset[str], vocab_size: in
         return {"enabled": False, "verified": False, "checked": 0, "detail": "off (--batch-invariant)"}
     request = OutputRequest(kinds)
     seqs = probes(vocab_size, max_len)
-    fillers = [[1000 + (i * 31 + 3) % 500 for i in range(n)] for n in (3, 64, 17, 90)]
+    base, span = _ids(vocab_size)
+    fillers = [[base + (i * 31 + 3) % span for i in range(min(n, max_len))] for n in (3, 64, 17, 90)]
 
     def run(batch: list[list[int]], replica: int) -> list[tuple]:
         lengths = np.array([len(s) for s in batch], dtype=np.int32)
