@@ -297,6 +297,31 @@ class ModelSettings(BaseSettings):
     through the replays; a replica whose replay disagrees serves eagerly. /info says which steps, or why
     none. Off by default until benchmarks/gpu_check.sh has passed on a device."""
 
+    batch_invariant: bool = False
+    """Every output of a sequence the same bytes whatever else is in its batch, its position, the requests
+    in flight and the replica: each matmul runs in fixed tiles of 64 rows and padded attention one sequence
+    at a time (ops/invariance.py). Costs 12-30% of bulk throughput on a CPU (docs/performance.md). One choice
+    per process: it applies to every model served."""
+
+    cache_bytes: int = 0
+    """An exact in-process cache of sequence outputs, keyed by the model's weights digest and revision, the
+    dtype, device and options that change an output, and the token ids; LRU, at most this many bytes of
+    cached results. 0: no cache. A hit is the bytes a computation gives only when outputs do not depend on
+    the batch, so a cache turns --batch-invariant on."""
+
+    cache_url: str | None = None
+    """A shared Redis (``redis://host:port/db``, ``rediss://``, ``unix://``) behind the in-process cache, for
+    every replica and pod serving the same model: the same keys, values in a pickle-free format. An
+    outage or a slow Redis (0.5 s timeouts) degrades to computing, counted in
+    embed_cache_redis_errors_total. Turns --batch-invariant on; needs the ``cache`` extra."""
+
+    @field_validator("cache_url")
+    @classmethod
+    def _redis_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        return v
+
     @field_validator("fidelity_min_cosine")
     @classmethod
     def _cosine(cls, v: float) -> float:

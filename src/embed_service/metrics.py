@@ -93,3 +93,30 @@ def declare_model(model: str) -> None:
         REPLICAS_READY,
     ):
         metric.labels(model)
+
+
+# The exact output cache (cache.py).
+CACHE_HITS = Counter(
+    "embed_cache_hits_total", "Sequences answered from the output cache.", ["model"], registry=REGISTRY
+)
+CACHE_MISSES = Counter(
+    "embed_cache_misses_total",
+    "Sequences the output cache did not hold (computed).",
+    ["model"],
+    registry=REGISTRY,
+)
+CACHE_BYTES = Gauge(
+    "embed_cache_bytes", "Bytes the in-process output cache holds.", ["model"], registry=REGISTRY
+)
+CACHE_EVICTIONS = Counter(
+    "embed_cache_evictions_total",
+    "Entries dropped from the in-process output cache to stay within --cache-bytes.",
+    ["model"],
+    registry=REGISTRY,
+)
+CACHE_REDIS_ERRORS = Counter(
+    "embed_cache_redis_errors_total",
+    "Redis cache lookups and stores that failed (the sequences were computed; nothing failed).",
+    ["model"],
+    registry=REGISTRY,
+)

@@ -200,6 +200,7 @@ def embed_options(body: EmbeddingRequest) -> EmbedOptions:
         max_active_dims=body.max_active_dims,
         sparse_threshold=body.sparse_threshold,
         chunking=chunk_options(body),
+        cache=body.cache,
     )
 
 

@@ -229,6 +229,8 @@ class EmbeddingRequest(BaseModel):
     """With a sparse output: keep only the N largest weights (sentence-transformers' max_active_dims)."""
     sparse_threshold: Threshold | None = None
     """With a sparse output: drop the weights below it (applied before max_active_dims)."""
+    cache: StrictBool = True
+    """false: this request neither reads nor fills the server's output cache (--cache-bytes)."""
 
     @field_validator("input", mode="before")
     @classmethod

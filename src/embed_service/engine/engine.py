@@ -18,8 +18,9 @@ import numpy as np
 from embed_service import metrics, observability
 from embed_service.batching.batcher import Batcher
 from embed_service.batching.sequence import RequestState, Sequence
+from embed_service.cache import output_cache
 from embed_service.config import ModelSettings, Settings
-from embed_service.engine import chunking, late
+from embed_service.engine import chunking, invariance_check, late
 from embed_service.engine.admission import Admission, Permit, check_request, run_piecewise
 from embed_service.engine.errors import InvalidInputError, NotReadyError
 from embed_service.engine.replicas import Replicas
@@ -96,9 +97,10 @@ class _Run:
     scoring share. A `with` block: leaving it on an error or a cancel drops what is still queued of the
     request (the client went away, or a batch failed), and the permit is closed either way."""
 
-    def __init__(self, engine: Engine, permit: Permit):
+    def __init__(self, engine: Engine, permit: Permit, use_cache: bool = True):
         self.engine = engine
         self.permit = permit
+        self.cache = engine.cache if use_cache else None
         self.state = RequestState()
         self.loop = asyncio.get_running_loop()
         self.tokens = 0
@@ -121,9 +123,16 @@ class _Run:
             engine._check_ready()
         assert engine.batcher is not None
         each = outputs if isinstance(outputs, list) else [outputs] * len(ids)
+        self.tokens += sum(map(len, ids))
+        if self.cache is not None:  # hits answered now, the misses queued below (cache.py)
+            return self.cache.submit(ids, each, self._queue)
+        return self._queue(ids, each)
+
+    def _queue(self, ids: list[list[int]], each: list[OutputRequest]) -> list[asyncio.Future]:
+        engine = self.engine
+        assert engine.batcher is not None
         seqs = [Sequence(i, self.loop.create_future(), self.state, o) for i, o in zip(ids, each, strict=True)]
         self.submitted.extend(seqs)
-        self.tokens += sum(map(len, ids))
         # Interactive requests (admitted into the reserve) of few tokens take the priority lane;
         # see engine/admission.py and batching/policy.py.
         engine.batcher.submit(
@@ -162,6 +171,7 @@ class Engine(TextSide):
         self.device = plan.device if plan else resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, self.device)
         tp = settings.tensor_parallel_size
+        self.cache = output_cache(settings, spec, self.name, f"{self.dtype}/{self.device}/tp={tp}")
         check_shardable(spec.config, tp)  # before any worker starts: fail fast, naming the numbers
         # Replicas, threads and devices: the resource plan (plan.py says why these defaults). Alone, the
         # model plans for the whole machine; a plan it cannot have (GPUs not there) is a ValueError here.
@@ -245,6 +255,17 @@ class Engine(TextSide):
         except Exception as exc:
             self._fail(str(exc))
             raise
+        self.invariance = await asyncio.to_thread(
+            invariance_check.check,
+            self._compute,
+            self.replicas,
+            self.spec.outputs,
+            self.spec.vocab_size or 1000,
+            self.spec.max_input_length,
+        )
+        if self.invariance["enabled"] and not self.invariance["verified"]:
+            log.warning("model %s: batch invariance not verified: %s", self.name, self.invariance["detail"])
+            self.cache = None  # its hits would not be the bytes a computation gives
         self.batcher = Batcher(
             [functools.partial(self._compute, replica=r) for r in range(self.replicas)],
             self.max_batch_tokens,
@@ -388,7 +409,7 @@ class Engine(TextSide):
     ) -> EmbedResult:
         """An admitted request's `n` sequences (`piece(first, k)`: the ids of k of them) batched, run and
         finished."""
-        with _Run(self, permit) as run:
+        with _Run(self, permit, opts.cache) as run:
 
             async def start(first: int, k: int) -> list[asyncio.Future]:
                 return run.submit(await piece(first, k), output)
@@ -676,4 +697,9 @@ class Engine(TextSide):
             "fidelity": first.group.rank_info[0].get("fidelity") if first else None,
             # The token-count steps replayed from CUDA graphs, or why none are (workers/graphs.py).
             "cuda_graphs": first.group.rank_info[0].get("cuda_graphs") if first else None,
+            # --batch-invariant and its start-up self-check (engine/invariance_check.py); the cache's size.
+            "batch_invariance": getattr(self, "invariance", None),
+            "cache": None
+            if self.cache is None
+            else {"bytes": self.cache.max_bytes, "redis": bool(self.cache.redis)},
         }

@@ -52,6 +52,8 @@ class EmbedOptions:
     """Sparse output: keep the largest N weights (sentence-transformers' max_active_dims); None: all."""
     sparse_threshold: float | None = None
     """Sparse output: drop the weights below it; None: keep every weight > 0."""
+    cache: bool = True
+    """False: this request neither reads nor fills the output cache (cache.py)."""
 
 
 @dataclass

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from embed_service.layers.linear import dense, onednn_bf16
-from embed_service.ops import fused
+from embed_service.ops import fused, invariance
 
 
 def _gelu_new(x: torch.Tensor) -> torch.Tensor:
@@ -73,5 +73,11 @@ def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     (4.5k tokens, 1 thread): 319 -> 289 ms per forward.
     """
     if name == "gelu" and onednn_bf16(x, weight):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "gelu", [], "none")
+        if invariance.enabled():
+            return invariance.tiled(lambda rows: _linear_gelu(rows, weight, bias), x)
+        return _linear_gelu(x, weight, bias)
     return get_activation(name)(dense(x, weight, bias))
+
+
+def _linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "gelu", [], "none")

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from embed_service.ops import invariance
 from embed_service.parallel import all_reduce, tp_rank, tp_world_size
 
 
@@ -31,10 +32,28 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     on this project's 2-core AMX machine, interleaved, median of 15 calls, (tokens, 384) x (384, out):
     0.36 -> 0.55 TFLOP/s at 9.5k tokens and 1.05 -> 1.30 at 2k tokens for out = 1152; float32 gains
     nothing (both are MKL's sgemm underneath), so it keeps F.linear.
+
+    With batch invariance on (ops/invariance.py), 2-D inputs go through in fixed tiles of rows.
     """
+    if invariance.enabled() and x.dim() == 2:
+        return invariance.tiled(lambda rows: _dense(rows, weight, bias), x)
+    return _dense(x, weight, bias)
+
+
+def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if onednn_bf16(x, weight):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """torch's nn.Linear (same parameters, same state dict) whose matmul goes through ``dense``: the small
+    float32 heads (classifiers, ColBERT, sparse), batch-invariant like the layers."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            return dense(x.reshape(-1, x.shape[-1]), self.weight, self.bias).reshape(*x.shape[:-1], -1)
+        return dense(x, self.weight, self.bias)
 
 
 def onednn_bf16(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -25,7 +25,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from embed_service.layers.linear import Linear
 from embed_service.models.spec import SpladeSpec
+from embed_service.ops import invariance
 from embed_service.outputs import (
     COLBERT,
     DENSE,
@@ -44,12 +46,12 @@ SPLADE_CHUNK_ELEMENTS = 1 << 24
 
 
 def load_linear(path: Path, device: torch.device) -> nn.Linear:
-    """An nn.Linear (float32) from a state dict saved with torch.save ({"weight": (out, in), "bias"})."""
+    """A Linear (float32; batch-invariant like the layers: layers/linear.py) from a state dict saved with torch.save ({"weight": (out, in), "bias"})."""
     state = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(state, dict) or "weight" not in state or state["weight"].dim() != 2:
         raise ValueError(f"{path}: not the state dict of a linear layer (a 2-D weight and a bias)")
     out_features, in_features = state["weight"].shape
-    layer = nn.Linear(in_features, out_features, bias="bias" in state, dtype=torch.float32, device=device)
+    layer = Linear(in_features, out_features, bias="bias" in state, dtype=torch.float32, device=device)
     layer.load_state_dict({k: v.float() for k, v in state.items()})
     return layer
 
@@ -199,9 +201,16 @@ class SpladeHead:
             torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device)
         )
         pooled = torch.zeros(len(lengths), self.rows_per_rank, dtype=torch.float32, device=device)
-        step = max(1, SPLADE_CHUNK_ELEMENTS // self.rows_per_rank)
+        step = max(
+            invariance.ROW_TILE,
+            SPLADE_CHUNK_ELEMENTS // self.rows_per_rank // invariance.ROW_TILE * invariance.ROW_TILE,
+        )
         for start in range(0, hidden.shape[0], step):
-            act = self._activate(self.logits(hidden[start : start + step]))  # (r, V_r)
+            chunk = hidden[start : start + step]
+            # The logits are per row; in fixed tiles the rows of a sequence do not depend on where a
+            # chunk happens to start.
+            logits = invariance.tiled(self.logits, chunk) if invariance.enabled() else self.logits(chunk)
+            act = self._activate(logits)  # (r, V_r)
             rows = seg[start : start + step]
             # The values are >= 0, so a maximum from 0 is the maximum sentence-transformers takes from -inf.
             if self.spec.pooling_strategy == "max":

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from embed_service.layers.activation import get_activation
+from embed_service.layers.linear import Linear, dense
 from embed_service.models.checkpoint import weight_files
 from embed_service.models.spec import ModelSpec
 
@@ -50,7 +51,7 @@ def _means(hidden: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
 class _Pooler(nn.Module):
     def __init__(self, h: int):
         super().__init__()
-        self.dense = nn.Linear(h, h)
+        self.dense = Linear(h, h)
 
 
 class BertScorer(nn.Module):
@@ -59,7 +60,7 @@ class BertScorer(nn.Module):
     def __init__(self, cfg: dict, labels: int):
         super().__init__()
         self.pooler = _Pooler(cfg["hidden_size"])
-        self.classifier = nn.Linear(cfg["hidden_size"], labels)
+        self.classifier = Linear(cfg["hidden_size"], labels)
 
     def forward(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         return self.classifier(torch.tanh(self.pooler.dense(_firsts(hidden, cu_seqlens))))
@@ -68,8 +69,8 @@ class BertScorer(nn.Module):
 class _RobertaHead(nn.Module):
     def __init__(self, h: int, labels: int):
         super().__init__()
-        self.dense = nn.Linear(h, h)
-        self.out_proj = nn.Linear(h, labels)
+        self.dense = Linear(h, h)
+        self.out_proj = Linear(h, labels)
 
 
 class RobertaScorer(nn.Module):
@@ -88,7 +89,7 @@ class _ModernBertHead(nn.Module):
     def __init__(self, cfg: dict):
         super().__init__()
         h = cfg["hidden_size"]
-        self.dense = nn.Linear(h, h, bias=cfg.get("classifier_bias", False))
+        self.dense = Linear(h, h, bias=cfg.get("classifier_bias", False))
         self.norm = nn.LayerNorm(h, eps=cfg.get("norm_eps", 1e-5), bias=cfg.get("norm_bias", False))
 
 
@@ -100,7 +101,7 @@ class ModernBertScorer(nn.Module):
         self.pool = _means if cfg.get("classifier_pooling", "cls") == "mean" else _firsts
         self.act = get_activation(cfg.get("classifier_activation", "gelu"))
         self.head = _ModernBertHead(cfg)
-        self.classifier = nn.Linear(cfg["hidden_size"], labels)
+        self.classifier = Linear(cfg["hidden_size"], labels)
 
     def forward(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         h = self.head
@@ -115,7 +116,7 @@ class YesNoScorer(nn.Module):
         self.rows = nn.Parameter(torch.empty(2, cfg["hidden_size"]), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        return _lasts(hidden, cu_seqlens) @ self.rows.T
+        return dense(_lasts(hidden, cu_seqlens), self.rows)
 
 
 class LogitScorer(nn.Module):
@@ -127,7 +128,7 @@ class LogitScorer(nn.Module):
         self.rows = nn.Parameter(torch.empty(tokens, cfg["hidden_size"]), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        logits = _lasts(hidden, cu_seqlens) @ self.rows.T
+        logits = dense(_lasts(hidden, cu_seqlens), self.rows)
         return logits[:, :1] if logits.shape[1] == 1 else logits[:, :1] - logits[:, 1:2]
 
 

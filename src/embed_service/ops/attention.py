@@ -209,7 +209,7 @@ def varlen_attention_torch(
     """The torch-only path: length groups padded into grids for scaled_dot_product_attention."""
     gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q)
-    for group in batch.length_groups(GROUP_RATIO):
+    for group in batch.attention_groups(GROUP_RATIO):
         _attend_group(q, k, v, out, group, causal, scale, gqa, window)
     return out
 

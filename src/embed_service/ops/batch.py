@@ -86,6 +86,20 @@ class FlatBatch:
             None if types is None else types.to(device),
         )
 
+    def attention_groups(self, ratio: float) -> list[LengthGroup]:
+        """What the padded attention paths attend by: length_groups, or with batch invariance on
+        (ops/invariance.py) one group per sequence, so that no sequence's grid depends on its neighbours."""
+        from embed_service.ops import invariance
+
+        if not invariance.enabled():
+            return self.length_groups(ratio)
+        bounds = self.cu_seqlens.tolist()
+        device = self.cu_seqlens.device
+        return [
+            LengthGroup([(s, e)], e - s, None, torch.arange(s, e, device=device))
+            for s, e in zip(bounds[:-1], bounds[1:])
+        ]
+
     def length_groups(self, ratio: float) -> list[LengthGroup]:
         """The sequences sorted by length, longest first, cut where one is shorter than `ratio` times the
         longest of its group. Computed once per batch and shared by every layer."""

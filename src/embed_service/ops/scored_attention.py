@@ -46,7 +46,7 @@ def varlen_attention_scored(
         window = None
     out = torch.empty_like(q)
     group_size = q.shape[1] // k.shape[1]
-    for group in batch.length_groups(GROUP_RATIO):
+    for group in batch.attention_groups(GROUP_RATIO):
         n = group.max_len
         mask = torch.zeros(1, 1, n, n, dtype=torch.float32, device=q.device)
         if bias is not None:
