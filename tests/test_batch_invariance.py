@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from embed_service.batching.batcher import Batcher
 from embed_service.batching.sequence import RequestState, Sequence
-from embed_service.models.loader import Embedder
+from embed_service.models.loader import EmbeddingModel
 from embed_service.models.spec import load_spec
 from embed_service.ops import invariance
 from embed_service.ops.batch import FlatBatch
@@ -72,7 +72,7 @@ def _add_bge_m3_heads(path: Path, hidden: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory, default_model_path) -> Iterator[dict[tuple[str, str], Embedder]]:
+def models(tmp_path_factory, default_model_path) -> Iterator[dict[tuple[str, str], EmbeddingModel]]:
     # One compute thread per replica, as the server runs them on a CPU (two replicas of one thread each).
     threads, was = torch.get_num_threads(), invariance.enabled()
     torch.set_num_threads(1)
@@ -84,20 +84,20 @@ def models(tmp_path_factory, default_model_path) -> Iterator[dict[tuple[str, str
             _add_bge_m3_heads(path, ENCODER["hidden_size"])
         spec = load_spec(path)
         for dtype in ("float32", "bfloat16"):
-            out[name, dtype] = Embedder(spec, getattr(torch, dtype), torch.device("cpu")).eval()
+            out[name, dtype] = EmbeddingModel(spec, getattr(torch, dtype), torch.device("cpu")).eval()
     yield out
     torch.set_num_threads(threads)
     invariance.set_enabled(was)
 
 
-def forward(model: Embedder, ids: np.ndarray, lengths: np.ndarray, requests: list[OutputRequest]):
+def forward(model: EmbeddingModel, ids: np.ndarray, lengths: np.ndarray, requests: list[OutputRequest]):
     """The worker's compute for one batch (workers/worker.py `run`)."""
     segments = [r.second_segment for r in requests]
     batch = FlatBatch.from_lengths(torch.from_numpy(ids), lengths.tolist(), segments)
     return model(batch, requests)
 
 
-def compute(model: Embedder):
+def compute(model: EmbeddingModel):
     """A replica's compute as the batcher calls it, counting the batches."""
 
     def run(ids: np.ndarray, lengths: np.ndarray, requests: list[OutputRequest]):
@@ -114,7 +114,7 @@ def output_bytes(out) -> tuple:
     return tuple(None if v is None else v.tobytes() for v in (out.dense, out.colbert, out.score)) + (sparse,)
 
 
-def alone(model: Embedder, ids: list[int], request: OutputRequest) -> tuple:
+def alone(model: EmbeddingModel, ids: list[int], request: OutputRequest) -> tuple:
     lengths = np.array([len(ids)], dtype=np.int32)
     return output_bytes(forward(model, np.array(ids, dtype=np.int32), lengths, [request])[0])
 
@@ -152,7 +152,7 @@ class Loop:
         self.loop.close()
 
 
-async def serve(models_: list[Embedder], requests, budget: int, in_flight: int) -> list[list[tuple]]:
+async def serve(models_: list[EmbeddingModel], requests, budget: int, in_flight: int) -> list[list[tuple]]:
     batcher = Batcher([compute(m) for m in models_], budget, 64, "m")
     batcher.start()
     loop = asyncio.get_running_loop()
