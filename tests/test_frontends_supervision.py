@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.server import ServerProcess, free_port
+from tests.server import ServerProcess, free_port, wait_until
 from tests.test_frontends import FLAGS, TEXTS, alive, embed, metric
 from tests.test_tracing import Collector, traceparent
 
@@ -44,11 +43,7 @@ def frontends(server: ServerProcess) -> list[int]:
 
 
 def wait_for(what: str, predicate, server: ServerProcess) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} did not happen in {WAIT_S}s:\n{server.output()}")
-        time.sleep(0.05)
+    wait_until(predicate, what, server, WAIT_S)
 
 
 def open_request(server: ServerProcess, texts: list[str]) -> socket.socket:
@@ -158,10 +153,9 @@ def test_an_engine_process_that_dies_fails_pending_calls_with_503_at_once():
         else:
             assert later.status_code == 503, later.text
             assert health.status_code == 503 and health.json()["status"] == "unhealthy", health.text
-        deadline = time.monotonic() + WAIT_S
-        while any(alive(p) for p in ends) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not [p for p in ends if alive(p)], "the front ends outlived their engine process"
+        wait_until(
+            lambda: not any(alive(p) for p in ends), "the front ends to exit after their engine", None, WAIT_S
+        )
     finally:
         try:  # the session's leader is gone: server.kill() would not look for the rest
             os.killpg(server.proc.pid, signal.SIGKILL)

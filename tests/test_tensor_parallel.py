@@ -25,7 +25,7 @@ from embed_service.parallel import check_shardable
 from tests.models import smollm2
 from tests.models.test_families import CASES
 from tests.models.tiny import Tiny, build, texts
-from tests.server import HANG_S, ServerProcess, read_corpus
+from tests.server import HANG_S, ServerProcess, read_corpus, wait_until
 
 TEXTS = texts()
 
@@ -90,11 +90,8 @@ def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
 
 
 def assert_none_left(procs: list[psutil.Process], within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while alive(procs) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    left = alive(procs)
-    assert not left, f"orphan processes left behind: {[(p.pid, p.cmdline()) for p in left]}"
+    left = [(p.pid, p.cmdline()) for p in alive(procs)]
+    wait_until(lambda: not alive(procs), f"no orphan process left behind (left: {left})", timeout=within)
 
 
 def start_all(*servers: ServerProcess) -> None:
@@ -171,8 +168,9 @@ def test_sigterm_to_the_process_group_drains_and_stops_every_worker(tp_pair):
     assert len(workers) >= 2
     with ThreadPoolExecutor(1) as pool:
         busy = pool.submit(embed, tp2, TEXTS * 8)  # embed() asserts a 200
-        while metric(tp2, "embed_inputs_in_flight") == 0 and not busy.done():
-            time.sleep(0.005)  # until it is admitted
+        wait_until(
+            lambda: metric(tp2, "embed_inputs_in_flight") > 0 or busy.done(), "the request admitted", tp2
+        )
         os.killpg(tp2.proc.pid, signal.SIGTERM)
         busy.result()
     assert tp2.proc.wait(30) == 0, tp2.output()
@@ -268,9 +266,7 @@ def check_worker_killed_under_load(server: ServerProcess, rank: int) -> None:
     with ThreadPoolExecutor(4) as pool:
         for o in outcomes:
             pool.submit(_client_loop, server.url, passages, stop, o)
-        deadline = time.monotonic() + 60
-        while not any(o.status == 200 for per in outcomes for o in per) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: any(o.status == 200 for per in outcomes for o in per), "a first 200", server)
         time.sleep(0.2)  # serving steadily: batches are in flight
         killed_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)

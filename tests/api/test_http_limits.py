@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.api.rawhttp import closed_within, connect, head, read_reply
-from tests.server import HANG_S, ServerProcess, free_port
+from tests.server import HANG_S, ServerProcess, free_port, wait_until
 
 HEADER_TIMEOUT = 2.0
 BODY_TIMEOUT = 2.0
@@ -85,9 +85,7 @@ def test_client_gone_while_its_body_is_read_is_499_and_one_line(server):
         assert reply is not None and reply.status == 100, reply
         sock.sendall(b'{"input": "par')
         sock.close()
-    deadline = time.monotonic() + HANG_S
-    while status_count(server, "499") < before_499 + n and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: status_count(server, "499") >= before_499 + n, f"{n} more 499s counted", server)
     assert status_count(server, "499") == before_499 + n
     assert status_count(server, "500") == before_500 == 0
     log = full_log(server)

@@ -134,6 +134,7 @@ def test_bulk_work_completes_under_a_stream_of_short_requests(aging_s):
                 batcher.submit(more, priority=True)
 
         def backend(ids, lengths, requests):
+            # A batch's compute time, not a wait: the assertions count batches, whatever it lasts.
             time.sleep(0.005)
             batches[0] += 1
             loop.call_soon_threadsafe(refill)  # runs before the batcher learns this batch is done

@@ -290,9 +290,7 @@ def test_a_large_request_is_admitted_piecewise_beside_short_and_large_ones(serve
 
     first = threading.Thread(target=client, args=("first", big))
     first.start()
-    deadline = time.monotonic() + 30
-    while in_flight(server) == 0 and time.monotonic() < deadline:
-        time.sleep(0.005)
+    wait_until(lambda: in_flight(server) > 0, "the first request in flight", server)
     second = threading.Thread(target=client, args=("second", big[::-1]))
     second.start()
     busy, statuses = [], []

@@ -106,7 +106,7 @@ def test_a_set_built_from_another_source_is_refused(prebuilt, no_compiler, tmp_p
 
 
 def test_a_group_writable_prebuilt_directory_is_refused(prebuilt, no_compiler, tmp_path, monkeypatch, caplog):
-    copy = tmp_path / "shared"
+    copy = tmp_path / "writable-by-all"
     shutil.copytree(prebuilt, copy)
     copy.chmod(0o777)
     monkeypatch.setenv("EMBED_PREBUILT_KERNELS", str(copy))
