@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -32,7 +31,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from http_cpu import Served, load, served  # noqa: E402
+from http_cpu import Served, cpu_model, load, served  # noqa: E402
 
 STAGES = (
     "HTTP/JSON",
@@ -175,17 +174,6 @@ def table(runs: dict[str, dict]) -> str:
         + " |"
     )
     return "\n".join(lines)
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def main() -> None:
