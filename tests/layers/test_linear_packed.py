@@ -40,3 +40,15 @@ def test_a_weight_written_in_place_is_packed_again():
     torch.testing.assert_close(
         linear_act(x, w, b, "gelu").float(), F.gelu(reference(x, w, b)), rtol=2e-2, atol=5e-2
     )
+
+
+def test_a_weight_given_new_data_is_packed_again():
+    torch.manual_seed(0)
+    x = torch.randn(8, 384).bfloat16()
+    w, b = (
+        torch.nn.Parameter(torch.randn(384, 384).bfloat16(), requires_grad=False),
+        torch.zeros(384).bfloat16(),
+    )
+    dense(x, w, b)
+    w.data = torch.randn(384, 384).bfloat16()  # as the start-up fidelity check swaps parameters
+    torch.testing.assert_close(dense(x, w, b).float(), reference(x, w, b), rtol=2e-2, atol=5e-2)
