@@ -52,7 +52,8 @@ PACK_HINT_TOKENS = 1024
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     """A bfloat16 weight in oneDNN's own blocked layout, for ``mkldnn._linear_pointwise``: packed on first use
-    and kept beside the weight (a second copy of it), packed again if the weight is written in place or given new data.
+    and kept beside the weight (a second copy of it), packed again if the weight is written in place or
+    given new data.
 
     Given the plain (out, in) weight, oneDNN reorders it into that layout on every call; packed once (as
     torch.compile's freezing does), the matmul skips it. Measured on AMD EPYC (AVX512-BF16, no AMX), one
