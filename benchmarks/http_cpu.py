@@ -132,6 +132,11 @@ def load(
     )
 
 
+def cpu_model() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    return next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -146,6 +151,7 @@ def main() -> None:
     parser.add_argument(
         "--null-model", action="store_true", help="workers without a model (EMBED_NULL_MODEL)"
     )
+    parser.add_argument("--json", help="append this run to a JSON file (a list of runs)")
     args = parser.parse_args()
     trees = []
     for spec in args.tree:
@@ -159,15 +165,32 @@ def main() -> None:
                 runs[name].append(
                     load(target, args.corpus, args.inputs_per_request, args.concurrency, args.duration)
                 )
+    first = trees[0][0]
     for name, values in runs.items():
         us = statistics.median(v.us_per_request for v in values)
+        # Each round's ratio to the first tree in the same round, then their median: steadier than a
+        # ratio of medians on a machine whose speed moves between rounds.
+        paired = statistics.median(v.us_per_request / f.us_per_request for v, f in zip(values, runs[first]))
         tps = statistics.median(v.texts_per_s for v in values)
         cores = statistics.median(v.cores for v in values)
         each = " ".join(f"{v.us_per_request:.0f}" for v in values)
         print(
             f"{name:12s} {us:7.0f} us CPU per request (median of {len(values)}: {each}), "
-            f"{tps:7.1f} texts/s, {cores:.2f} cores busy"
+            f"{tps:7.1f} texts/s, {cores:.2f} cores busy; {paired:.3f}x {first} (median of round ratios)"
         )
+    if args.json:
+        out = Path(args.json)
+        history = json.loads(out.read_text()) if out.exists() else []
+        history.append(
+            {
+                "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "cpu": cpu_model(),
+                "load_average": os.getloadavg(),
+                "args": {k: v for k, v in vars(args).items() if k != "json"},
+                "runs": {name: [vars(v) for v in values] for name, values in runs.items()},
+            }
+        )
+        out.write_text(json.dumps(history, indent=1) + "\n")
 
 
 if __name__ == "__main__":

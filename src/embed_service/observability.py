@@ -45,11 +45,34 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(line, default=str).decode()
 
 
+class TextFormatter(logging.Formatter):
+    """The lines of ``logging.Formatter(TEXT_FORMAT)``, cheaper: the date and time are formatted once per
+    second instead of once per record (strftime and localtime, ~2.5 us of every access line), and the
+    line is one f-string instead of a %-format over the record's attributes."""
+
+    def __init__(self) -> None:
+        super().__init__(TEXT_FORMAT)
+        self._second: tuple[int, str] = (-1, "")  # (whole second, its text): one tuple, safe across threads
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        if datefmt is not None:
+            return super().formatTime(record, datefmt)
+        whole = int(record.created)
+        second, text = self._second
+        if whole != second:
+            text = time.strftime(self.default_time_format, self.converter(whole))
+            self._second = (whole, text)
+        return f"{text},{int(record.msecs):03d}"
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return f"{record.asctime} {record.levelname} {record.name}: {record.message}"
+
+
 def logging_config(level: str, log_format: str) -> dict[str, Any]:
     """A `logging.config.dictConfig` dict: one handler on the root logger, and uvicorn's loggers sending
     their lines to it (uvicorn's own configuration would give them handlers and a format of their own)."""
     formatter: dict[str, Any] = (
-        {"()": f"{__name__}.JsonFormatter"} if log_format == "json" else {"format": TEXT_FORMAT}
+        {"()": f"{__name__}.JsonFormatter"} if log_format == "json" else {"()": f"{__name__}.TextFormatter"}
     )
     level = level.upper()
     return {

@@ -4,6 +4,7 @@ and echoed in the response and the line."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import socket
 import subprocess
@@ -220,3 +221,48 @@ def test_text_format_is_shared_by_uvicorn_and_the_server():
     assert len(lines) == 2, lines
     assert re.fullmatch(stamp + r"uvicorn\.error: from uvicorn", lines[0])
     assert re.fullmatch(stamp + r"embed_service\.x: from the server", lines[1])
+
+
+def test_the_text_format_is_the_standard_formatters_line_for_line():
+    # The text formatter caches the date per second: its lines are still those of logging.Formatter with
+    # the same format string, across second boundaries, with arguments, '%' in the text and tracebacks.
+    from embed_service.observability import TEXT_FORMAT, TextFormatter
+
+    ours, reference = TextFormatter(), logging.Formatter(TEXT_FORMAT)
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        exc_info = sys.exc_info()
+    records = []
+    for created in (1_700_000_000.0, 1_700_000_000.999, 1_700_000_001.0005, 1_700_003_600.25, time.time()):
+        for msg, args, exc in (
+            ("plain", (), None),
+            ("%s took %d ms", ("x", 3), None),
+            ("100%", (), exc_info),
+        ):
+            record = logging.LogRecord("embed_service.access", logging.INFO, __file__, 1, msg, args, exc)
+            record.created, record.msecs = created, int((created - int(created)) * 1000) + 0.0
+            records.append(record)
+    for record in records:
+        expected = reference.format(logging.makeLogRecord(record.__dict__))
+        assert ours.format(logging.makeLogRecord(record.__dict__)) == expected
+
+
+def test_generated_request_ids_differ_across_forked_processes():
+    # Front ends are processes of their own: a generated id is unique across them, forked ones included.
+    code = (
+        "import os; from embed_service.api.access_log import request_id\n"
+        "ids = [request_id([]) for _ in range(3)]\n"
+        "r, w = os.pipe()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os.write(w, ' '.join(request_id([]) for _ in range(3)).encode()); os._exit(0)\n"
+        "os.waitpid(pid, 0); print(' '.join(ids + [request_id([]) for _ in range(3)]), os.read(r, 4096).decode())"
+    )
+    runs = [
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+        for _ in range(2)
+    ]
+    ids = [i for out in runs for i in out.stdout.split()]
+    assert len(ids) == 18 and len(set(ids)) == 18, ids
+    assert all(GENERATED.fullmatch(i) for i in ids)

@@ -134,6 +134,23 @@ def test_the_408_for_a_slow_head_is_in_the_error_shape(server):
     assert status_count(server, "408") == before + 1  # counted, though no route saw it
 
 
+def test_a_slow_head_after_answered_requests_on_a_kept_alive_connection_gets_the_whole_timeout(server):
+    # The head deadline of a later request on a connection is the header timeout from that head's first
+    # byte, not a deadline left over from the connection's earlier requests (which would fall due as
+    # much earlier as those requests took).
+    sock = connect(server.port)
+    for _ in range(2):
+        sock.sendall(head("GET", "/live"))
+        assert read_reply(sock, HANG_S).status == 200
+    started = time.monotonic()
+    sock.sendall(b"GET /live HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finished
+    err = assert_openai_error(read_reply(sock, HANG_S), 408)
+    assert err["code"] == "request_timeout"
+    assert time.monotonic() - started >= HEADER_TIMEOUT
+    assert closed_within(sock, HANG_S)
+    sock.close()
+
+
 def test_a_declared_body_that_never_comes_is_408_at_the_body_timeout(server):
     before = status_count(server, "408")
     start = time.monotonic()

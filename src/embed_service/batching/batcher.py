@@ -23,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -101,7 +102,12 @@ class Batcher:
         self._stopped = False
         self._threads: list[ThreadPoolExecutor] = []
         self._tasks: list[asyncio.Task] = []
+        # The metrics' children, looked up once: `labels()` validates and locks on every call.
         self._queue_gauge = metrics.QUEUE_SIZE.labels(model)
+        self._queue_wait = metrics.QUEUE_DURATION.labels(model)
+        self._batch_size = metrics.BATCH_SIZE.labels(model)
+        self._batch_tokens = metrics.BATCH_TOKENS.labels(model)
+        self._inference = metrics.INFERENCE_DURATION.labels(model)
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._run_loop(i)) for i in range(len(self.backends))]
@@ -268,12 +274,14 @@ class Batcher:
                 if not batch:
                     continue
                 lengths = np.fromiter((len(s.ids) for s in batch), dtype=np.int32, count=len(batch))
-                ids = np.fromiter((t for s in batch for t in s.ids), dtype=np.int32, count=int(lengths.sum()))
+                ids = np.fromiter(
+                    chain.from_iterable(s.ids for s in batch), dtype=np.int32, count=int(lengths.sum())
+                )
                 start = time.perf_counter()
                 for s in batch:
-                    metrics.QUEUE_DURATION.labels(self.model).observe(start - s.enqueued_at)
-                metrics.BATCH_SIZE.labels(self.model).observe(len(batch))
-                metrics.BATCH_TOKENS.labels(self.model).observe(len(ids))
+                    self._queue_wait.observe(start - s.enqueued_at)
+                self._batch_size.observe(len(batch))
+                self._batch_tokens.observe(len(ids))
             except Exception as exc:  # a bug in forming the batch: answer what it held, keep serving
                 log.exception("model %s: forming a batch failed", self.model)
                 self._fail_taken(batch, exc)
@@ -300,7 +308,7 @@ class Batcher:
                 if self._has_work(index):
                     wakeup.set()
             try:
-                metrics.INFERENCE_DURATION.labels(self.model).observe(time.perf_counter() - start)
+                self._inference.observe(time.perf_counter() - start)
                 for s, r in zip(batch, results):
                     self._answer(s, r)
             except Exception as exc:
