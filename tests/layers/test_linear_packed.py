@@ -52,3 +52,24 @@ def test_a_weight_given_new_data_is_packed_again():
     dense(x, w, b)
     w.data = torch.randn(384, 384).bfloat16()  # as the start-up fidelity check swaps parameters
     torch.testing.assert_close(dense(x, w, b).float(), reference(x, w, b), rtol=2e-2, atol=5e-2)
+
+
+def test_packed_copies_stay_within_their_budget(monkeypatch):
+    """A model whose weights would not fit twice keeps them plain past the budget: same products, no copy."""
+    from embed_service.layers import linear
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 384).bfloat16()
+    small, big = torch.randn(384, 384).bfloat16(), torch.randn(1536, 384).bfloat16()
+    before = linear.packed_bytes()
+    monkeypatch.setattr(linear, "PACK_BUDGET_BYTES", before + small.nbytes + 1024)
+    dense(x, small)
+    assert linear.packed_bytes() > before  # packed within the budget
+    held = linear.packed_bytes()
+    torch.testing.assert_close(dense(x, big).float(), F.linear(x.float(), big.float()), rtol=2e-2, atol=5e-2)
+    assert linear.packed_bytes() == held  # past it: the plain weight serves
+    del small
+    import gc
+
+    gc.collect()
+    assert linear.packed_bytes() == before  # a weight's copy goes with it

@@ -314,6 +314,9 @@ class Engine(EmbedServing, WindowedServing, ScoreServing):
             "parameter_bytes_per_rank": [r["parameter_bytes"] for r in first.group.rank_info]
             if first
             else [],
+            "packed_weight_bytes_per_rank": [r.get("packed_weight_bytes", 0) for r in first.group.rank_info]
+            if first
+            else [],
             "worker_pids": [r["pid"] for r in first.group.rank_info] if first else [],
             "replicas": self.replica_set.info(),
             # What the workers chose (ops/fused.py, ops/attention.py) and the start-up fidelity check's

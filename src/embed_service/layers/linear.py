@@ -6,6 +6,8 @@ model is written once and runs at any tensor-parallel size. At size 1 every slic
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,28 +50,48 @@ def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 # The token count oneDNN is told to lay packed weights out for; the layout serves every count.
 PACK_HINT_TOKENS = 1024
+# The most bytes of packed copies one process keeps: past it, weights stay plain (oneDNN reorders them per
+# call, as before). The gain is largest for small models at small batches; a large model's matmuls are big
+# enough that the reorder is a small share, and a copy of its weights would not fit beside it.
+PACK_BUDGET_BYTES = 256 << 20
+_packed_bytes = 0
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     """A bfloat16 weight in oneDNN's own blocked layout, for ``mkldnn._linear_pointwise``: packed on first use
-    and kept beside the weight (a second copy of it), packed again if the weight is written in place or
-    given new data.
+    and kept beside the weight (a second copy of it, within ``PACK_BUDGET_BYTES`` per process), packed again
+    if the weight is written in place or given new data.
 
     Given the plain (out, in) weight, oneDNN reorders it into that layout on every call; packed once (as
-    torch.compile's freezing does), the matmul skips it. Measured on AMD EPYC (AVX512-BF16, no AMX), one
-    thread, thread CPU time, medians of 5, (tokens, 384) x (384, 384 / 1152 / 1536): 1.2-1.5x at 16
-    tokens, 1.1-1.2x at 64, 1.0-1.1x at 2,048; the outputs bit for bit the same.
+    torch.compile's freezing does), the matmul skips it (figures in docs/performance.md); the outputs are
+    bit for bit the same.
     """
+    global _packed_bytes
     version = (weight._version, weight.data_ptr())  # written in place, or given new data (`.data = ...`)
     cached = getattr(weight, "_onednn_packed", None)
     if cached is not None and cached[0] == version:
         return cached[1]
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_TOKENS)
-    except (AttributeError, RuntimeError):  # a torch without it: the plain weight serves
-        packed = weight
+    packed = weight
+    if _packed_bytes + weight.nbytes <= PACK_BUDGET_BYTES:
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_TOKENS)
+        except (AttributeError, RuntimeError):  # a torch without it: the plain weight serves
+            packed = weight
+    if packed is not weight:
+        _packed_bytes += packed.nbytes
+        weakref.finalize(packed, _release, packed.nbytes)  # when its weight dies or is packed again
     weight._onednn_packed = (version, packed)  # type: ignore[attr-defined]
     return packed
+
+
+def _release(nbytes: int) -> None:
+    global _packed_bytes
+    _packed_bytes -= nbytes
+
+
+def packed_bytes() -> int:
+    """Bytes of packed weight copies this process holds (reported by /info beside the parameters)."""
+    return _packed_bytes
 
 
 class Linear(nn.Linear):

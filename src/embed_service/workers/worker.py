@@ -136,6 +136,7 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
     import torch
     import torch.distributed as dist
 
+    from embed_service.layers.linear import packed_bytes
     from embed_service.models.loader import EmbeddingModel
     from embed_service.models.spec import load_spec
     from embed_service.ops import attention, fused
@@ -270,6 +271,7 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
             {
                 "rank": rank,
                 "parameter_bytes": model.parameter_bytes(),
+                "packed_weight_bytes": packed_bytes(),  # the warm-up packed them (layers/linear.py)
                 "pid": os.getpid(),
                 # Seconds per token of the warm-up's largest batch (of the longest inputs, the dearest per
                 # token): what the batch deadline is derived from.
