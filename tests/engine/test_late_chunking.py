@@ -334,13 +334,11 @@ def test_late_chunking_passes_through_front_end_processes(hf, document):
             assert min_cosine(got, ref) >= EXACT
 
 
-def test_a_tiny_random_modernbert_with_a_long_window_cls_pooling_and_a_dense_layer(
-    tmp_path_factory, default_model_path
-):
-    """ModernBERT (local and global attention layers, a 512-token window) with CLS pooling and a Dense layer
-    after it: spans of a ~400-token text pool by the mean (the paper's), then the Dense layer, as
-    sentence-transformers' Dense module applies it. A text past the window is a 400: pieces of windows do
-    not combine through a Dense layer."""
+@pytest.fixture(scope="module")
+def modernbert_dense(tmp_path_factory, default_model_path):
+    """A tiny random ModernBERT (local and global attention layers, a 512-token window) with CLS pooling
+    and a Dense layer after it: its folder, transformers' tokenizer and model (float32), and
+    sentence-transformers' Dense module."""
     from dataclasses import replace
 
     import torch
@@ -357,14 +355,41 @@ def test_a_tiny_random_modernbert_with_a_long_window_cls_pooling_and_a_dense_lay
         AutoTokenizer.from_pretrained(str(path)),
         AutoModel.from_pretrained(str(path), dtype=torch.float32),
     )
-    dense = SentenceTransformer(str(path), device="cpu")[2]
+    return path, reference, SentenceTransformer(str(path), device="cpu")[2]
+
+
+def dense_head(dense, means: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        x = torch.tensor(means, dtype=torch.float32)
+        return dense({"sentence_embedding": x})["sentence_embedding"].numpy().astype(np.float64)
+
+
+def chunk_windows(rows: list[tuple[int, int]], n: int, window: int, context: int) -> list[tuple[int, int]]:
+    """docs/api.md's long late chunking for a model with Dense layers: in the order of the chunks' first
+    tokens, a window opens for each chunk that no window holds yet, `context` tokens before it (from 0 when
+    that reaches [CLS]; at most `window` tokens before the sequence's end), `window` tokens long."""
+    bounds: list[tuple[int, int]] = []
+    for a, b in sorted(rows):
+        if any(s <= a and b <= e for s, e in bounds):
+            continue
+        start = 0 if a - context <= 1 else a - context
+        start = max(b - window, min(start, n - window))
+        bounds.append((start, min(n, start + window)))
+    return bounds
+
+
+def test_a_tiny_random_modernbert_with_a_long_window_cls_pooling_and_a_dense_layer(modernbert_dense):
+    """Spans of a ~400-token text pool by the mean (the paper's), then the Dense layer, as
+    sentence-transformers' Dense module applies it."""
+    path, reference, dense = modernbert_dense
     text = " ".join(read_corpus("passages.jsonl", 12))[:1600]
     n = len(reference[0](text)["input_ids"])
     assert MAX_LENGTH < n <= 512
     spans = sentence_spans(text)
     means, counts = paper(reference, text, spans)
-    with torch.no_grad():
-        ref = dense({"sentence_embedding": torch.tensor(means, dtype=torch.float32)})["sentence_embedding"]
+    ref = dense_head(dense, means)
     with ServerProcess("--model", str(path), "--dtype", "float32") as s:
         r = post(s, text, chunking={"mode": "late", "spans": [list(x) for x in spans]})
         assert r.status_code == 200, r.text
@@ -372,6 +397,73 @@ def test_a_tiny_random_modernbert_with_a_long_window_cls_pooling_and_a_dense_lay
         assert [c["tokens"] for c in item["chunks"]] == counts
         got = chunk_vectors(item)
         assert got.shape == (len(spans), 24)
-        assert min_cosine(got, ref.numpy().astype(np.float64)) >= EXACT
-        long = post(s, " ".join(read_corpus("passages.jsonl", 12)), chunking={"mode": "late", "size": 64})
-        assert long.status_code == 400 and "Dense" in long.json()["error"]["message"], long.text
+        assert min_cosine(got, ref) >= EXACT
+
+
+@pytest.mark.parametrize("context", [0, 48])
+def test_long_late_chunking_with_a_dense_layer_pools_each_chunk_from_one_window(modernbert_dense, context):
+    """A text past the 512-token window: each chunk the mean of its tokens' last hidden states in one
+    window of the whole sequence (transformers, windows as docs/api.md lays them out), then the Dense
+    layer; the input's own vector the windows' vectors (the mean of the tokens each adds, then the Dense
+    layer) weighted by those tokens."""
+    import torch
+
+    path, (tok, model), dense = modernbert_dense
+    text = " ".join(read_corpus("passages.jsonl", 12))[:5000]
+    x = tok(text, return_tensors="pt")["input_ids"]
+    n = x.shape[1]
+    assert n > 2 * 512
+    size = 100
+    rows = [(1 + a, 1 + b) for a, b in size_bounds(n - 2, size, 10)]  # [CLS] first
+    bounds = chunk_windows(rows, n, 512, context)
+    with torch.no_grad():
+        hidden = [
+            model(input_ids=x[:, s:e], attention_mask=torch.ones_like(x[:, s:e])).last_hidden_state[0]
+            for s, e in bounds
+        ]
+    means = []
+    for a, b in rows:
+        j = next(j for j, (s, e) in enumerate(bounds) if s <= a and b <= e)
+        means.append(hidden[j][a - bounds[j][0] : b - bounds[j][0]].mean(0).numpy())
+    ref = dense_head(dense, np.stack(means))
+    adds = [(max(s, bounds[j - 1][1]) if j else s, e) for j, (s, e) in enumerate(bounds)]
+    windows = np.stack(
+        [h[lo - s : hi - s].mean(0).numpy() for h, (s, _), (lo, hi) in zip(hidden, bounds, adds)]
+    )
+    weights = np.array([hi - lo for lo, hi in adds], dtype=np.float64)
+    own = (weights / weights.sum()) @ dense_head(dense, windows)
+    with ServerProcess("--model", str(path), "--dtype", "float32") as s:
+        options = {"mode": "late", "size": size, "overlap": 10, "context_overlap": context}
+        r = post(s, text, chunking=options)
+        assert r.status_code == 200, r.text
+        item = r.json()["data"][0]
+        assert [c["tokens"] for c in item["chunks"]] == [b - a for a, b in rows]
+        assert min_cosine(chunk_vectors(item), ref) >= EXACT
+        assert min_cosine(np.array([item["embedding"]]), own[None]) >= EXACT
+        assert r.json()["usage"]["prompt_tokens"] == sum(e - s for s, e in bounds)
+        # A chunk longer than the window is refused, naming the size.
+        big = post(s, text, chunking={"mode": "late", "size": 600})
+        assert big.status_code == 400 and big.json()["error"]["param"] == "chunking.size", big.text
+
+
+def test_a_null_model_server_answers_late_chunking(hf, document):
+    """EMBED_NULL_MODEL (benchmarks' measuring tool) answers late chunking as the model would shape it: a
+    unit vector per chunk with the chunks' spans and tokens, short and long documents alike."""
+    spans = sentence_spans(document)
+    _, counts = paper(hf, document, spans)
+    long = " ".join(read_corpus("passages.jsonl", 12))[:3000]
+    with ServerProcess("--dtype", "float32", env={"EMBED_NULL_MODEL": "1"}) as s:
+        r = post(s, document, chunking={"mode": "late", "spans": [list(x) for x in spans]})
+        assert r.status_code == 200, r.text
+        item = r.json()["data"][0]
+        assert [(c["start"], c["end"], c["tokens"]) for c in item["chunks"]] == [
+            (a, b, k) for (a, b), k in zip(spans, counts)
+        ]
+        np.testing.assert_allclose(np.linalg.norm(chunk_vectors(item), axis=1), 1.0, rtol=1e-6)
+        r = post(s, long, chunking={"mode": "late", "size": 64, "context_overlap": 32})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["data"][0]["chunks"]) == len(
+            size_bounds(len(hf[0](long)["input_ids"]) - 2, 64, 0)
+        )
+        jina = post(s, [document[a:b] for a, b in spans], late_chunking=True)
+        assert jina.status_code == 200 and len(jina.json()["data"]) == len(spans), jina.text
