@@ -11,7 +11,9 @@ measures that effect in isolation, not retrieval quality in general.
 
 Retrieval is over all the chunks of all documents of a set (cosine); recall@1 is the share of queries whose
 nearest chunk is the one with the fact, MRR the mean of 1 / its rank; the same-document cosine, the mean
-cosine between two chunks of one document, shows how far a setting makes a document's chunks alike. Two sets: ``short`` documents (an
+cosine between two chunks of one document, shows how far a setting makes a document's chunks alike; the
+shares of queries whose nearest chunk is in the right document, and is a document's first chunk (its
+introduction, which names the subject), show where the misses go. Two sets: ``short`` documents (an
 introduction and 6 facts, about 100 tokens, inside every model's window) and ``long`` ones (an introduction,
 16 facts and 24 sentences that state nothing asked, 375 to 390 tokens: past MiniLM's 256-token window, so
 MiniLM runs them as long late chunking, macro-windows with ``context_overlap`` tokens of context).
@@ -275,6 +277,13 @@ def scores(queries: np.ndarray, chunks: np.ndarray, answers: list[int]) -> tuple
     return float(np.mean(ranks == 1)), float(np.mean(1.0 / ranks))
 
 
+def nearest(queries: np.ndarray, chunks: np.ndarray) -> np.ndarray:
+    """Each query's nearest chunk (cosine)."""
+    q = queries / np.linalg.norm(queries, axis=1, keepdims=True)
+    c = chunks / np.linalg.norm(chunks, axis=1, keepdims=True)
+    return np.argmax(q @ c.T, axis=1)
+
+
 def within(chunks: np.ndarray, starts: np.ndarray) -> float:
     """The mean cosine between two chunks of one document (how much the chunks of a document look alike)."""
     c = chunks / np.linalg.norm(chunks, axis=1, keepdims=True)
@@ -318,6 +327,7 @@ def evaluate(embedder: Any, docs: list[Document], mean_pooling: bool, contexts: 
     starts = np.cumsum([0] + [len(d.spans) for d in docs])
     queries = [q for d in docs for q, _ in d.queries]
     answers = [int(starts[i]) + j for i, d in enumerate(docs) for _, j in d.queries]
+    doc_of = np.repeat(np.arange(len(docs)), [len(d.spans) for d in docs])
     t = time.perf_counter()
     late_vectors, per_chunk = late(embedder, docs, contexts[0])
     late_seconds = time.perf_counter() - t
@@ -336,8 +346,11 @@ def evaluate(embedder: Any, docs: list[Document], mean_pooling: bool, contexts: 
     def row(setting: str, q: np.ndarray, c: np.ndarray, seconds: float) -> None:
         r1, mrr = scores(q, c, answers)
         same = within(c, starts)
+        top = nearest(q, c)
         rows.append(
             {"setting": setting, "recall@1": r1, "mrr": mrr, "within_document_cosine": same, **size}
+            | {"top1_right_document": float(np.mean(doc_of[top] == doc_of[answers]))}
+            | {"top1_first_chunk": float(np.mean(np.isin(top, starts[:-1])))}
             | {"seconds": round(seconds, 1)}
         )
         if not first.all():  # recall@1 of the queries whose chunk is in the first window, and of the rest
@@ -380,9 +393,10 @@ def smollm2_dir() -> Path:
 
 def markdown(result: dict) -> str:
     lines = [
-        "| model | documents | setting | recall@1 | MRR | same-document cosine | recall@1 in the first window / "
-        "past it | documents / chunks / queries | tokens per document |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | documents | setting | recall@1 | MRR | top 1 in the right document | top 1 a first chunk "
+        "| same-document cosine | recall@1 in the first window / past it | documents / chunks / queries "
+        "| tokens per document |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         split = "-"
@@ -390,6 +404,7 @@ def markdown(result: dict) -> str:
             split = f"{r['recall@1_first_window']:.3f} / {r['recall@1_past_it']:.3f} ({r['past_it']} past it)"
         lines.append(
             f"| {r['model']} | {r['set']} | {r['setting']} | {r['recall@1']:.3f} | {r['mrr']:.3f} | "
+            f"{r['top1_right_document']:.3f} | {r['top1_first_chunk']:.3f} | "
             f"{r['within_document_cosine']:.3f} | {split} | "
             f"{r['documents']} / {r['chunks']} / {r['queries']} | {r['tokens_min']}-{r['tokens_max']} |"
         )
