@@ -163,16 +163,16 @@ def embed_options(body: EmbeddingRequest) -> EmbedOptions:
         outputs=frozenset(body.outputs) if body.outputs else None,  # None: the model's default
         max_active_dims=body.max_active_dims,
         sparse_threshold=body.sparse_threshold,
-        chunking=chunk_options(body),
+        chunking=chunk_options(body.chunking, body.late_chunking),
         cache=body.cache,
     )
 
 
-def chunk_options(body: EmbeddingRequest) -> ChunkOptions | None:
-    """The engine's chunking options: windows of long inputs (engine/chunking.py) or late chunking
-    (engine/late.py: `chunking.mode` "late", or Jina's `late_chunking`)."""
-    c = body.chunking
-    if body.late_chunking:
+def chunk_options(c: Chunking | None, late_chunking: bool) -> ChunkOptions | None:
+    """The engine's chunking options (a request's `chunking` and `late_chunking`, on /v1/embeddings and
+    Cohere's /v2/embed): windows of long inputs (engine/chunking.py) or late chunking (engine/late.py:
+    `chunking.mode` "late", or Jina's `late_chunking`)."""
+    if late_chunking:
         if c is not None:
             raise InvalidInputError(
                 "late_chunking: true and chunking are two ways to ask; send one", "chunking"
