@@ -467,3 +467,89 @@ def test_a_null_model_server_answers_late_chunking(hf, document):
         )
         jina = post(s, [document[a:b] for a, b in spans], late_chunking=True)
         assert jina.status_code == 200 and len(jina.json()["data"]) == len(spans), jina.text
+
+
+def test_cohere_v2_embed_takes_late_chunking(server, hf, document):
+    """The cohere client's /v2/embed with the same ``chunking`` object (sent as an additional body
+    parameter) answers each text's chunks (``chunks``: start, end, tokens and the vector per embedding
+    type), and with ``late_chunking: true`` one vector per text, each equal to the paper's."""
+    import cohere
+
+    spans = sentence_spans(document)
+    ref, counts = paper(hf, document, spans)
+    client = cohere.ClientV2(base_url=server.url, api_key="unused", timeout=120)
+    options = {"mode": "late", "spans": [list(s) for s in spans]}
+    r = client.embed(
+        texts=[document],
+        model="all-MiniLM-L6-v2",
+        input_type="classification",  # the packaged model has no prompt for it: the plain sequence
+        embedding_types=["float", "int8"],
+        request_options={"additional_body_parameters": {"chunking": options}},
+    )
+    assert r.embeddings.float_ is not None
+    plain = post(server, document).json()["data"][0]["embedding"]
+    assert min_cosine(np.array(r.embeddings.float_), np.array([plain])) >= EXACT
+    chunks = r.chunks[0]  # type: ignore[attr-defined]  (an extension: the client keeps unknown fields)
+    assert [(c["start"], c["end"], c["tokens"]) for c in chunks] == [
+        (s, e, n) for (s, e), n in zip(spans, counts)
+    ]
+    assert min_cosine(np.array([c["embeddings"]["float"] for c in chunks], dtype=np.float64), ref) >= EXACT
+    from sentence_transformers.util.quantization import quantize_embeddings
+
+    unit = (ref / np.linalg.norm(ref, axis=1, keepdims=True)).astype(np.float32)
+    want = np.asarray(
+        quantize_embeddings(unit, "int8", ranges=np.array([[-1.0] * 384, [1.0] * 384])), np.int16
+    )
+    got = np.array([c["embeddings"]["int8"] for c in chunks], dtype=np.int16)
+    assert np.abs(got - want).max() <= 1
+    jina = client.embed(
+        texts=[document[s:e] for s, e in spans],
+        model="all-MiniLM-L6-v2",
+        input_type="classification",
+        embedding_types=["float"],
+        request_options={"additional_body_parameters": {"late_chunking": True}},
+    )
+    assert min_cosine(np.array(jina.embeddings.float_, dtype=np.float64), ref) >= EXACT
+    with pytest.raises(cohere.BadRequestError, match="chunking.spans"):
+        client.embed(
+            texts=[document],
+            model="all-MiniLM-L6-v2",
+            input_type="classification",
+            embedding_types=["float"],
+            request_options={
+                "additional_body_parameters": {"chunking": {"mode": "late", "spans": [[0, 10**6]]}}
+            },
+        )
+
+
+def test_token_outputs_are_transformers_last_hidden_state(server, hf, document):
+    """``outputs: ["tokens"]`` on /v1/embeddings and TEI's /embed_all answer every token's last hidden
+    state (special tokens included), as transformers gives it, beside the dense vector when asked."""
+    import torch
+
+    tok, model = hf
+    texts = [document, "Berlin is a city."]
+    refs = []
+    with torch.no_grad():
+        for t in texts:
+            refs.append(model(**tok(t, return_tensors="pt")).last_hidden_state[0].numpy().astype(np.float64))
+    r = post(server, texts, outputs=["dense", "tokens"])
+    assert r.status_code == 200, r.text
+    plain = post(server, texts).json()["data"]
+    for item, ref, p in zip(r.json()["data"], refs, plain):
+        got = np.array(item["tokens"], dtype=np.float64)
+        assert got.shape == ref.shape
+        assert min_cosine(got, ref) >= EXACT
+        assert min_cosine(np.array([item["embedding"]]), np.array([p["embedding"]])) >= EXACT
+    b64 = post(server, texts[1], outputs=["tokens"], encoding_format="base64").json()["data"][0]
+    rows = np.stack([np.frombuffer(base64.b64decode(x), "<f4") for x in b64["tokens"]])
+    assert min_cosine(rows.astype(np.float64), refs[1]) >= EXACT
+    tei = httpx.post(server.url + "/embed_all", json={"inputs": texts}, timeout=120)
+    assert tei.status_code == 200, tei.text
+    for got, ref in zip(tei.json(), refs):
+        assert min_cosine(np.array(got, dtype=np.float64), ref) >= EXACT
+    one = httpx.post(server.url + "/embed_all", json={"inputs": texts[1]}, timeout=120).json()
+    assert len(one) == 1 and len(one[0]) == len(refs[1])
+    # The token vectors are float32 as they are: a compact embed_dtype is a 400, as for ColBERT vectors.
+    bad = post(server, texts, outputs=["tokens"], embed_dtype="int8")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "embed_dtype", bad.text

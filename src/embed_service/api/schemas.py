@@ -74,6 +74,9 @@ class Embedding(BaseModel):
     colbert: list[list[float]] | list[str] | None = None
     """With ``outputs`` naming ``colbert``: one normalized vector per token after the first, as floats or
     (``encoding_format: base64``) one base64 string each."""
+    tokens: list[list[float]] | list[str] | None = None
+    """With ``outputs`` naming ``tokens``: every token's last hidden state (special tokens included, before
+    pooling and Dense layers), float32, as floats or (``encoding_format: base64``) one base64 string each."""
 
 
 class SparseValue(BaseModel):
@@ -85,6 +88,10 @@ class SparseValue(BaseModel):
 
 class SparseEmbedResponse(RootModel[list[list[SparseValue]]]):
     """POST /embed_sparse: per input, its (token id, weight) pairs, ascending ids."""
+
+
+class EmbedAllResponse(RootModel[list[list[list[float]]]]):
+    """POST /embed_all: per input, one vector per token (its last hidden state)."""
 
 
 class Usage(BaseModel):
