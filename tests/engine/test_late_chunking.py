@@ -289,6 +289,14 @@ def test_the_python_api_gives_the_servers_chunk_vectors(server, hf, document):
         jina = e.encode([document[s:t] for s, t in spans], late_chunking=True)
         assert jina.shape == (len(spans), 384)
         assert min_cosine(jina.astype(np.float64), ref) >= EXACT
+        # Token-level outputs: every token's last hidden state, as transformers gives it.
+        import torch
+
+        with torch.no_grad():
+            hidden = hf[1](**hf[0](document, return_tensors="pt")).last_hidden_state[0].numpy()
+        tokens = e.encode(document, outputs=["tokens"])["tokens"]
+        assert tokens.shape == hidden.shape
+        assert min_cosine(tokens.astype(np.float64), hidden.astype(np.float64)) >= EXACT
 
 
 def test_a_prompt_leads_the_sequence_and_the_spans_stay_in_the_text(server, hf, document):
