@@ -57,7 +57,7 @@ def model_digest(path: Path, revision: str | None) -> str:
 
 
 def output_bytes(out: SequenceOutput) -> int:
-    arrays: list[np.ndarray | None] = [out.dense, out.colbert, out.score]
+    arrays: list[np.ndarray | None] = [out.dense, out.colbert, out.score, out.tokens]
     if out.sparse is not None:
         arrays += [out.sparse.indices, out.sparse.values]
     return ENTRY_OVERHEAD + sum(a.nbytes for a in arrays if a is not None)
@@ -227,7 +227,7 @@ class RedisTier:
             log.warning("the Redis cache failed a store", exc_info=True)
 
 
-_SLOTS = ("dense", "colbert", "score", "sparse_indices", "sparse_values")
+_SLOTS = ("dense", "colbert", "score", "sparse_indices", "sparse_values", "tokens")
 
 
 def pack(out: SequenceOutput) -> bytes:
@@ -235,6 +235,7 @@ def pack(out: SequenceOutput) -> bytes:
     a shared Redis must not be able to run code in the server)."""
     arrays = [out.dense, out.colbert, out.score]
     arrays += [None, None] if out.sparse is None else [out.sparse.indices, out.sparse.values]
+    arrays.append(out.tokens)
     parts = []
     for a in arrays:
         data = b""
@@ -250,6 +251,9 @@ def unpack(value: bytes) -> SequenceOutput:
     arrays: list[np.ndarray | None] = []
     at = 0
     for _ in _SLOTS:
+        if at == len(value):  # stored before the slot existed (a shared Redis outlives a server)
+            arrays.append(None)
+            continue
         (n,) = struct.unpack_from("<Q", value, at)
         at += 8
         arrays.append(np.load(io.BytesIO(value[at : at + n]), allow_pickle=False) if n else None)
@@ -258,6 +262,7 @@ def unpack(value: bytes) -> SequenceOutput:
     out.dense, out.colbert, out.score = arrays[0], arrays[1], arrays[2]
     if arrays[3] is not None and arrays[4] is not None:
         out.sparse = Sparse(arrays[3], arrays[4])
+    out.tokens = arrays[5]
     return out
 
 

@@ -40,7 +40,7 @@ from embed_service.engine.engine import Engine
 from embed_service.engine.errors import EngineError, InvalidInputError, OverloadedError
 from embed_service.engine.text import EmbedOptions
 from embed_service.engine_thread import EngineThread
-from embed_service.outputs import COLBERT, DENSE, SPARSE, Sparse
+from embed_service.outputs import COLBERT, DENSE, SPARSE, TOKENS, Sparse
 from embed_service.requests import encodings
 from embed_service.requests.embed import (
     EmbedCall,
@@ -80,7 +80,7 @@ class Encoded:
     """What one `aembed` call gives: the vectors as asked, and the tokens they cost.
 
     embeddings: (n, D) float32, or the compact encoding's storage (see `Embedder.encode`); (n, 0) when
-    the dense output was not asked for. sparse / colbert: one entry per input when asked for.
+    the dense output was not asked for. sparse / colbert / tokens: one entry per input when asked for.
     """
 
     embeddings: np.ndarray
@@ -89,6 +89,8 @@ class Encoded:
     colbert: list[np.ndarray] | None = None
     chunks: list[Chunks] | None = None
     """Late chunking: per input its chunks, their vectors encoded as the embeddings are."""
+    tokens: list[np.ndarray] | None = None
+    """Per input (L, H) float32: every token's last hidden state, when asked for."""
 
 
 class Embedder:
@@ -194,8 +196,8 @@ class Embedder:
             truncate: cut inputs past the max input length (default: ``auto_truncate``); False: an input
                 that is too long is an `InvalidInputError`.
             truncation_direction: "right" or "left".
-            outputs: the output kinds, from one forward ("dense", "sparse", "colbert"; the last two need a
-                model with those heads). Default: dense only.
+            outputs: the output kinds, from one forward ("dense", "sparse", "colbert", "tokens"; sparse and
+                colbert need a model with those heads). Default: dense only.
             embed_dtype: "float32" (default), "float16", "bfloat16" (its bits as uint16), "int8",
                 "uint8", "binary" or "ubinary" (int8 / uint8 of 8 packed sign bits), as the API's.
             embed_ranges: int8/uint8 only: [low, high], or [[lows...], [highs...]] (default [-1, 1]).
@@ -208,7 +210,8 @@ class Embedder:
         Returns:
             Without ``outputs``: the (n, D) array (a single text or token-id list gives one (D,) row).
             With ``outputs``: a dict with the kinds asked for: "dense" the array, "sparse" a list of
-            `Sparse` (token ids, weights), "colbert" a list of (tokens - 1, C) float32 arrays.
+            `Sparse` (token ids, weights), "colbert" a list of (tokens - 1, C) float32 arrays, "tokens" a
+            list of (tokens, hidden size) float32 arrays (every token's last hidden state).
             With late chunking by ``chunking``: per input a `Chunks` (``spans``: (start, end, tokens) per
             chunk; ``vectors``: one row per chunk, encoded as ``embed_dtype`` says); one for a single text.
 
@@ -357,6 +360,7 @@ class Embedder:
             ]
             if results[0].chunks is not None
             else None,
+            [t for r in results for t in r.tokens] if TOKENS in kinds else None,
         )
 
 
@@ -421,6 +425,8 @@ def _shape(request: EmbedCall, encoded: Encoded, single: bool) -> Any:
         result[SPARSE] = encoded.sparse[0] if single else encoded.sparse
     if encoded.colbert is not None:
         result[COLBERT] = encoded.colbert[0] if single else encoded.colbert
+    if encoded.tokens is not None:
+        result[TOKENS] = encoded.tokens[0] if single else encoded.tokens
     return result
 
 

@@ -21,8 +21,11 @@ SPARSE = "sparse"
 COLBERT = "colbert"
 SCORE = "score"
 LATE = "late"
-KINDS = (DENSE, SPARSE, COLBERT, SCORE, LATE)
-"""LATE is internal: late chunking (engine/late.py) asks for it with the spans to pool; no API names it."""
+TOKENS = "tokens"
+KINDS = (DENSE, SPARSE, COLBERT, SCORE, LATE, TOKENS)
+"""LATE is internal: late chunking (engine/late.py) asks for it with the spans to pool; no API names it.
+TOKENS (the token-level output: every token's last hidden state) is given by every embedding model, so no
+model's spec lists it (ModelSpec.outputs: the heads it has)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,8 @@ class SequenceOutput:
     one normalized vector per token after the first. score: (num_labels,) float32, a scoring model's raw
     logits (the engine applies the activation; models/scoring.py). late: (S, D) float32, per span of the
     request the mean of its rows' last hidden states in float32, then the Dense layers, not normalized.
+    tokens: (L, H) float32, the last hidden state of every token of the sequence, special tokens included
+    (transformers' last_hidden_state): the vectors late chunking pools, before any pooling or Dense layer.
     """
 
     dense: np.ndarray | None = None
@@ -66,6 +71,7 @@ class SequenceOutput:
     colbert: np.ndarray | None = None
     score: np.ndarray | None = None
     late: np.ndarray | None = None
+    tokens: np.ndarray | None = None
 
     def kinds(self) -> frozenset[str]:
         return frozenset(k for k in KINDS if getattr(self, k) is not None)

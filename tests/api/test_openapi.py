@@ -80,6 +80,7 @@ def test_every_route_is_described(spec):
         ("POST", "/v2/embed"),
         ("POST", "/v1/embed"),
         ("POST", "/embed_sparse"),
+        ("POST", "/embed_all"),
         ("POST", "/rerank"),
         ("POST", "/v1/rerank"),
         ("POST", "/v2/rerank"),

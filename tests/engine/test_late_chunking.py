@@ -289,6 +289,14 @@ def test_the_python_api_gives_the_servers_chunk_vectors(server, hf, document):
         jina = e.encode([document[s:t] for s, t in spans], late_chunking=True)
         assert jina.shape == (len(spans), 384)
         assert min_cosine(jina.astype(np.float64), ref) >= EXACT
+        # Token-level outputs: every token's last hidden state, as transformers gives it.
+        import torch
+
+        with torch.no_grad():
+            hidden = hf[1](**hf[0](document, return_tensors="pt")).last_hidden_state[0].numpy()
+        tokens = e.encode(document, outputs=["tokens"])["tokens"]
+        assert tokens.shape == hidden.shape
+        assert min_cosine(tokens.astype(np.float64), hidden.astype(np.float64)) >= EXACT
 
 
 def test_a_prompt_leads_the_sequence_and_the_spans_stay_in_the_text(server, hf, document):
@@ -334,13 +342,11 @@ def test_late_chunking_passes_through_front_end_processes(hf, document):
             assert min_cosine(got, ref) >= EXACT
 
 
-def test_a_tiny_random_modernbert_with_a_long_window_cls_pooling_and_a_dense_layer(
-    tmp_path_factory, default_model_path
-):
-    """ModernBERT (local and global attention layers, a 512-token window) with CLS pooling and a Dense layer
-    after it: spans of a ~400-token text pool by the mean (the paper's), then the Dense layer, as
-    sentence-transformers' Dense module applies it. A text past the window is a 400: pieces of windows do
-    not combine through a Dense layer."""
+@pytest.fixture(scope="module")
+def modernbert_dense(tmp_path_factory, default_model_path):
+    """A tiny random ModernBERT (local and global attention layers, a 512-token window) with CLS pooling
+    and a Dense layer after it: its folder, transformers' tokenizer and model (float32), and
+    sentence-transformers' Dense module."""
     from dataclasses import replace
 
     import torch
@@ -357,14 +363,41 @@ def test_a_tiny_random_modernbert_with_a_long_window_cls_pooling_and_a_dense_lay
         AutoTokenizer.from_pretrained(str(path)),
         AutoModel.from_pretrained(str(path), dtype=torch.float32),
     )
-    dense = SentenceTransformer(str(path), device="cpu")[2]
+    return path, reference, SentenceTransformer(str(path), device="cpu")[2]
+
+
+def dense_head(dense, means: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        x = torch.tensor(means, dtype=torch.float32)
+        return dense({"sentence_embedding": x})["sentence_embedding"].numpy().astype(np.float64)
+
+
+def chunk_windows(rows: list[tuple[int, int]], n: int, window: int, context: int) -> list[tuple[int, int]]:
+    """docs/api.md's long late chunking for a model with Dense layers: in the order of the chunks' first
+    tokens, a window opens for each chunk that no window holds yet, `context` tokens before it (from 0 when
+    that reaches [CLS]; at most `window` tokens before the sequence's end), `window` tokens long."""
+    bounds: list[tuple[int, int]] = []
+    for a, b in sorted(rows):
+        if any(s <= a and b <= e for s, e in bounds):
+            continue
+        start = 0 if a - context <= 1 else a - context
+        start = max(b - window, min(start, n - window))
+        bounds.append((start, min(n, start + window)))
+    return bounds
+
+
+def test_a_tiny_random_modernbert_with_a_long_window_cls_pooling_and_a_dense_layer(modernbert_dense):
+    """Spans of a ~400-token text pool by the mean (the paper's), then the Dense layer, as
+    sentence-transformers' Dense module applies it."""
+    path, reference, dense = modernbert_dense
     text = " ".join(read_corpus("passages.jsonl", 12))[:1600]
     n = len(reference[0](text)["input_ids"])
     assert MAX_LENGTH < n <= 512
     spans = sentence_spans(text)
     means, counts = paper(reference, text, spans)
-    with torch.no_grad():
-        ref = dense({"sentence_embedding": torch.tensor(means, dtype=torch.float32)})["sentence_embedding"]
+    ref = dense_head(dense, means)
     with ServerProcess("--model", str(path), "--dtype", "float32") as s:
         r = post(s, text, chunking={"mode": "late", "spans": [list(x) for x in spans]})
         assert r.status_code == 200, r.text
@@ -372,6 +405,159 @@ def test_a_tiny_random_modernbert_with_a_long_window_cls_pooling_and_a_dense_lay
         assert [c["tokens"] for c in item["chunks"]] == counts
         got = chunk_vectors(item)
         assert got.shape == (len(spans), 24)
-        assert min_cosine(got, ref.numpy().astype(np.float64)) >= EXACT
-        long = post(s, " ".join(read_corpus("passages.jsonl", 12)), chunking={"mode": "late", "size": 64})
-        assert long.status_code == 400 and "Dense" in long.json()["error"]["message"], long.text
+        assert min_cosine(got, ref) >= EXACT
+
+
+@pytest.mark.parametrize("context", [0, 48])
+def test_long_late_chunking_with_a_dense_layer_pools_each_chunk_from_one_window(modernbert_dense, context):
+    """A text past the 512-token window: each chunk the mean of its tokens' last hidden states in one
+    window of the whole sequence (transformers, windows as docs/api.md lays them out), then the Dense
+    layer; the input's own vector the windows' vectors (the mean of the tokens each adds, then the Dense
+    layer) weighted by those tokens."""
+    import torch
+
+    path, (tok, model), dense = modernbert_dense
+    text = " ".join(read_corpus("passages.jsonl", 12))[:5000]
+    x = tok(text, return_tensors="pt")["input_ids"]
+    n = x.shape[1]
+    assert n > 2 * 512
+    size = 100
+    rows = [(1 + a, 1 + b) for a, b in size_bounds(n - 2, size, 10)]  # [CLS] first
+    bounds = chunk_windows(rows, n, 512, context)
+    with torch.no_grad():
+        hidden = [
+            model(input_ids=x[:, s:e], attention_mask=torch.ones_like(x[:, s:e])).last_hidden_state[0]
+            for s, e in bounds
+        ]
+    means = []
+    for a, b in rows:
+        j = next(j for j, (s, e) in enumerate(bounds) if s <= a and b <= e)
+        means.append(hidden[j][a - bounds[j][0] : b - bounds[j][0]].mean(0).numpy())
+    ref = dense_head(dense, np.stack(means))
+    adds = [(max(s, bounds[j - 1][1]) if j else s, e) for j, (s, e) in enumerate(bounds)]
+    windows = np.stack(
+        [h[lo - s : hi - s].mean(0).numpy() for h, (s, _), (lo, hi) in zip(hidden, bounds, adds)]
+    )
+    weights = np.array([hi - lo for lo, hi in adds], dtype=np.float64)
+    own = (weights / weights.sum()) @ dense_head(dense, windows)
+    with ServerProcess("--model", str(path), "--dtype", "float32") as s:
+        options = {"mode": "late", "size": size, "overlap": 10, "context_overlap": context}
+        r = post(s, text, chunking=options)
+        assert r.status_code == 200, r.text
+        item = r.json()["data"][0]
+        assert [c["tokens"] for c in item["chunks"]] == [b - a for a, b in rows]
+        assert min_cosine(chunk_vectors(item), ref) >= EXACT
+        assert min_cosine(np.array([item["embedding"]]), own[None]) >= EXACT
+        assert r.json()["usage"]["prompt_tokens"] == sum(e - s for s, e in bounds)
+        # A chunk longer than the window is refused, naming the size.
+        big = post(s, text, chunking={"mode": "late", "size": 600})
+        assert big.status_code == 400 and big.json()["error"]["param"] == "chunking.size", big.text
+
+
+def test_a_null_model_server_answers_late_chunking(hf, document):
+    """EMBED_NULL_MODEL (benchmarks' measuring tool) answers late chunking as the model would shape it: a
+    unit vector per chunk with the chunks' spans and tokens, short and long documents alike."""
+    spans = sentence_spans(document)
+    _, counts = paper(hf, document, spans)
+    long = " ".join(read_corpus("passages.jsonl", 12))[:3000]
+    with ServerProcess("--dtype", "float32", env={"EMBED_NULL_MODEL": "1"}) as s:
+        r = post(s, document, chunking={"mode": "late", "spans": [list(x) for x in spans]})
+        assert r.status_code == 200, r.text
+        item = r.json()["data"][0]
+        assert [(c["start"], c["end"], c["tokens"]) for c in item["chunks"]] == [
+            (a, b, k) for (a, b), k in zip(spans, counts)
+        ]
+        np.testing.assert_allclose(np.linalg.norm(chunk_vectors(item), axis=1), 1.0, rtol=1e-6)
+        r = post(s, long, chunking={"mode": "late", "size": 64, "context_overlap": 32})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["data"][0]["chunks"]) == len(
+            size_bounds(len(hf[0](long)["input_ids"]) - 2, 64, 0)
+        )
+        jina = post(s, [document[a:b] for a, b in spans], late_chunking=True)
+        assert jina.status_code == 200 and len(jina.json()["data"]) == len(spans), jina.text
+
+
+def test_cohere_v2_embed_takes_late_chunking(server, hf, document):
+    """The cohere client's /v2/embed with the same ``chunking`` object (sent as an additional body
+    parameter) answers each text's chunks (``chunks``: start, end, tokens and the vector per embedding
+    type), and with ``late_chunking: true`` one vector per text, each equal to the paper's."""
+    import cohere
+
+    spans = sentence_spans(document)
+    ref, counts = paper(hf, document, spans)
+    client = cohere.ClientV2(base_url=server.url, api_key="unused", timeout=120)
+    options = {"mode": "late", "spans": [list(s) for s in spans]}
+    r = client.embed(
+        texts=[document],
+        model="all-MiniLM-L6-v2",
+        input_type="classification",  # the packaged model has no prompt for it: the plain sequence
+        embedding_types=["float", "int8"],
+        request_options={"additional_body_parameters": {"chunking": options}},
+    )
+    assert r.embeddings.float_ is not None
+    plain = post(server, document).json()["data"][0]["embedding"]
+    assert min_cosine(np.array(r.embeddings.float_), np.array([plain])) >= EXACT
+    chunks = r.chunks[0]  # type: ignore[attr-defined]  (an extension: the client keeps unknown fields)
+    assert [(c["start"], c["end"], c["tokens"]) for c in chunks] == [
+        (s, e, n) for (s, e), n in zip(spans, counts)
+    ]
+    assert min_cosine(np.array([c["embeddings"]["float"] for c in chunks], dtype=np.float64), ref) >= EXACT
+    from sentence_transformers.util.quantization import quantize_embeddings
+
+    unit = (ref / np.linalg.norm(ref, axis=1, keepdims=True)).astype(np.float32)
+    want = np.asarray(
+        quantize_embeddings(unit, "int8", ranges=np.array([[-1.0] * 384, [1.0] * 384])), np.int16
+    )
+    got = np.array([c["embeddings"]["int8"] for c in chunks], dtype=np.int16)
+    assert np.abs(got - want).max() <= 1
+    jina = client.embed(
+        texts=[document[s:e] for s, e in spans],
+        model="all-MiniLM-L6-v2",
+        input_type="classification",
+        embedding_types=["float"],
+        request_options={"additional_body_parameters": {"late_chunking": True}},
+    )
+    assert min_cosine(np.array(jina.embeddings.float_, dtype=np.float64), ref) >= EXACT
+    with pytest.raises(cohere.BadRequestError, match="chunking.spans"):
+        client.embed(
+            texts=[document],
+            model="all-MiniLM-L6-v2",
+            input_type="classification",
+            embedding_types=["float"],
+            request_options={
+                "additional_body_parameters": {"chunking": {"mode": "late", "spans": [[0, 10**6]]}}
+            },
+        )
+
+
+def test_token_outputs_are_transformers_last_hidden_state(server, hf, document):
+    """``outputs: ["tokens"]`` on /v1/embeddings and TEI's /embed_all answer every token's last hidden
+    state (special tokens included), as transformers gives it, beside the dense vector when asked."""
+    import torch
+
+    tok, model = hf
+    texts = [document, "Berlin is a city."]
+    refs = []
+    with torch.no_grad():
+        for t in texts:
+            refs.append(model(**tok(t, return_tensors="pt")).last_hidden_state[0].numpy().astype(np.float64))
+    r = post(server, texts, outputs=["dense", "tokens"])
+    assert r.status_code == 200, r.text
+    plain = post(server, texts).json()["data"]
+    for item, ref, p in zip(r.json()["data"], refs, plain):
+        got = np.array(item["tokens"], dtype=np.float64)
+        assert got.shape == ref.shape
+        assert min_cosine(got, ref) >= EXACT
+        assert min_cosine(np.array([item["embedding"]]), np.array([p["embedding"]])) >= EXACT
+    b64 = post(server, texts[1], outputs=["tokens"], encoding_format="base64").json()["data"][0]
+    rows = np.stack([np.frombuffer(base64.b64decode(x), "<f4") for x in b64["tokens"]])
+    assert min_cosine(rows.astype(np.float64), refs[1]) >= EXACT
+    tei = httpx.post(server.url + "/embed_all", json={"inputs": texts}, timeout=120)
+    assert tei.status_code == 200, tei.text
+    for got, ref in zip(tei.json(), refs):
+        assert min_cosine(np.array(got, dtype=np.float64), ref) >= EXACT
+    one = httpx.post(server.url + "/embed_all", json={"inputs": texts[1]}, timeout=120).json()
+    assert len(one) == 1 and len(one[0]) == len(refs[1])
+    # The token vectors are float32 as they are: a compact embed_dtype is a 400, as for ColBERT vectors.
+    bad = post(server, texts, outputs=["tokens"], embed_dtype="int8")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "embed_dtype", bad.text

@@ -8,6 +8,8 @@ What maps to what (docs/api.md, "Cohere-compatible embed"):
   (its default prompt, if it names one).
 - ``truncate``: END (Cohere's default) cuts the end, START the start, NONE refuses a long input.
 - ``embedding_types``: float, base64 (float32 bytes) and the quantized types of requests/encodings.py.
+- ``chunking`` and ``late_chunking``: as on /v1/embeddings; each text's chunks come back in ``chunks``,
+  each with its vector per embedding type (late_chunking: one vector per text, in ``embeddings``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import numpy as np
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
@@ -28,6 +31,7 @@ from embed_service.engine.protocol import ServingEngine
 from embed_service.engine.text import EmbedOptions, output_dimension
 from embed_service.outputs import DENSE_ONLY
 from embed_service.requests import encodings
+from embed_service.requests.embed import chunk_options
 
 router = APIRouter()
 
@@ -86,6 +90,7 @@ def options(body: CohereEmbedRequest, engine: ServingEngine) -> EmbedOptions:
         dimensions=body.output_dimension,
         prompt_name=prompt_name,
         outputs=DENSE_ONLY.kinds,
+        chunking=chunk_options(body.chunking, body.late_chunking),
     )
 
 
@@ -111,18 +116,28 @@ async def embed(request: Request, by_type: bool) -> Response:
     note(request, tokens=result.prompt_tokens)
     vectors = result.embeddings  # (n, d) float32, sliced and normalized
 
+    def encoded(matrix: np.ndarray) -> dict[str, Any]:
+        return {
+            t: encodings.rows(matrix, "float32", "base64", None)
+            if t == "base64"
+            else encodings.rows(matrix, "float32" if t == "float" else t, "float", ranges)
+            for t in types
+        }
+
     def answer() -> dict[str, Any]:
-        embeddings: Any
-        if by_type or body.embedding_types:
-            embeddings = {
-                t: encodings.rows(vectors, "float32", "base64", None)
-                if t == "base64"
-                else encodings.rows(vectors, "float32" if t == "float" else t, "float", ranges)
-                for t in types
-            }
-        else:
-            embeddings = vectors
+        embeddings: Any = encoded(vectors) if by_type or body.embedding_types else vectors
         tokens = {"input_tokens": result.prompt_tokens}
+        extra: dict[str, Any] = {}
+        if result.chunks is not None:  # late chunking (or windows with return_chunks): each text's chunks
+            extra["chunks"] = []
+            for chunks in result.chunks:
+                rows = encoded(chunks.vectors)
+                extra["chunks"].append(
+                    [
+                        {"start": a, "end": b, "tokens": n, "embeddings": {t: rows[t][j] for t in types}}
+                        for j, (a, b, n) in enumerate(chunks.spans)
+                    ]
+                )
         return {
             "response_type": "embeddings_by_type" if isinstance(embeddings, dict) else "embeddings_floats",
             "id": str(uuid.uuid4()),
@@ -133,9 +148,11 @@ async def embed(request: Request, by_type: bool) -> Response:
                 "billed_units": tokens,
                 "tokens": tokens,
             },
+            **extra,
         }
 
-    return await json_answer(answer, vectors.size * len(types))
+    chunked = sum(c.vectors.size for c in result.chunks or ())
+    return await json_answer(answer, (vectors.size + chunked) * len(types))
 
 
 @router.post("/v2/embed", summary="Embed texts (Cohere embed API v2)", **_ROUTE)

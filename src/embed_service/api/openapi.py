@@ -13,11 +13,17 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
 from embed_service.api.schemas import CohereEmbedRequest, ErrorResponse
-from embed_service.requests.embed import EmbeddingRequest, SparseEmbedRequest, TokenizeRequest
+from embed_service.requests.embed import (
+    EmbedAllRequest,
+    EmbeddingRequest,
+    SparseEmbedRequest,
+    TokenizeRequest,
+)
 
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     EmbeddingRequest,
     SparseEmbedRequest,
+    EmbedAllRequest,
     TokenizeRequest,
     CohereEmbedRequest,
 )

@@ -32,6 +32,7 @@ from embed_service.api.errors import (
 )
 from embed_service.api.openapi import errors, json_body, ok, unready
 from embed_service.api.schemas import (
+    EmbedAllResponse,
     EmbeddingResponse,
     Health,
     Info,
@@ -45,12 +46,14 @@ from embed_service.engine.protocol import ServingEngine
 from embed_service.engine.text import EmbedResult
 from embed_service.requests import encodings
 from embed_service.requests.embed import (
+    EmbedAllRequest,
     EmbeddingRequest,
     SparseEmbedRequest,
     TokenizeRequest,
     embed_call,
     sparse_options,
     tokenize_options,
+    tokens_options,
 )
 
 router = APIRouter()
@@ -93,6 +96,7 @@ def result_values(result: EmbedResult) -> int:
     values = result.embeddings.size
     values += sum(c.vectors.size for c in result.chunks or ())
     values += sum(2 * s.values.size for s in result.sparse or ())
+    values += sum(m.size for m in result.tokens or ())
     return values + sum(m.size for m in result.colbert or ())
 
 
@@ -228,6 +232,8 @@ async def embeddings(request: Request, _: Authorized) -> Response:
                 item["sparse"]["tokens"] = engine.tokenizer.tokens(sparse.indices.tolist())
         for item, matrix in zip(data, result.colbert or ()):  # float32 whatever the embed_dtype
             item["colbert"] = encodings.base64_rows(matrix) if b64 else matrix
+        for item, matrix in zip(data, result.tokens or ()):  # float32, every token's last hidden state
+            item["tokens"] = encodings.base64_rows(matrix) if b64 else matrix
         return {
             "object": "list",
             "data": data,
@@ -259,6 +265,21 @@ async def embed_sparse(request: Request, _: Authorized) -> Response:
         ],
         result_values(result),
     )
+
+
+@router.post(
+    "/embed_all",
+    summary="Every token's vector, as text-embeddings-inference's /embed_all",
+    openapi_extra=json_body(EmbedAllRequest, {"inputs": ["hello world"]}),
+    responses={**ok(EmbedAllResponse), **errors(400, 404, 408, 413, 415, 429, 500, 503)},
+)
+async def embed_all(request: Request, _: Authorized) -> Response:
+    body = await read_json(request, EmbedAllRequest)
+    note(request, inputs=len(body.inputs))
+    engine = serving(request, body.model)
+    result = await until_disconnect(request, engine.embed(body.inputs, tokens_options(body)))
+    note(request, tokens=result.prompt_tokens)
+    return await json_answer(lambda: list(result.tokens or ()), result_values(result))
 
 
 @router.post(

@@ -9,8 +9,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, RootModel, StrictStr, WithJsonSchema, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    RootModel,
+    StrictBool,
+    StrictStr,
+    WithJsonSchema,
+    field_validator,
+)
 
+from embed_service.requests.embed import Chunking
 from embed_service.requests.fields import TEXTS_SCHEMA, Cut, Dimensions, EmbedRanges, Priority, check_texts
 
 # Responses (documentation only: the routes write their bodies with orjson).
@@ -64,6 +74,9 @@ class Embedding(BaseModel):
     colbert: list[list[float]] | list[str] | None = None
     """With ``outputs`` naming ``colbert``: one normalized vector per token after the first, as floats or
     (``encoding_format: base64``) one base64 string each."""
+    tokens: list[list[float]] | list[str] | None = None
+    """With ``outputs`` naming ``tokens``: every token's last hidden state (special tokens included, before
+    pooling and Dense layers), float32, as floats or (``encoding_format: base64``) one base64 string each."""
 
 
 class SparseValue(BaseModel):
@@ -75,6 +88,10 @@ class SparseValue(BaseModel):
 
 class SparseEmbedResponse(RootModel[list[list[SparseValue]]]):
     """POST /embed_sparse: per input, its (token id, weight) pairs, ascending ids."""
+
+
+class EmbedAllResponse(RootModel[list[list[list[float]]]]):
+    """POST /embed_all: per input, one vector per token (its last hidden state)."""
 
 
 class Usage(BaseModel):
@@ -187,6 +204,12 @@ class CohereEmbedRequest(BaseModel):
     """Accepted and ignored."""
     embed_ranges: EmbedRanges | None = None
     """int8/uint8 only: as on /v1/embeddings. Default [-1, 1] for every dimension."""
+    chunking: Chunking | None = None
+    """As on /v1/embeddings: long texts as averaged windows, or late chunking (``"mode": "late"``: each
+    text's chunks in ``chunks``)."""
+    late_chunking: StrictBool = False
+    """Jina's late chunking: the texts are the consecutive chunks of one document, embedded in one forward
+    pass; one vector per text."""
 
     @field_validator("texts", mode="before")
     @classmethod
@@ -220,6 +243,28 @@ class CohereMeta(BaseModel):
     tokens: CohereBilledUnits
 
 
+class CohereEmbedding(BaseModel):
+    """One vector per asked-for type (a chunk's)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    float_: list[float] | None = Field(None, alias="float")
+    int8: list[int] | None = None
+    uint8: list[int] | None = None
+    binary: list[int] | None = None
+    ubinary: list[int] | None = None
+    base64: str | None = None
+
+
+class CohereChunk(BaseModel):
+    """One late chunk (or window) of a text: its character span, its tokens and its vector per type."""
+
+    start: int
+    end: int
+    tokens: int
+    embeddings: CohereEmbedding
+
+
 class CohereEmbedResponse(BaseModel):
     """``embeddings_by_type`` (every /v2/embed answer, and /v1/embed's with embedding_types), or
     ``embeddings_floats`` (/v1/embed without embedding_types: the float vectors as a list)."""
@@ -229,3 +274,5 @@ class CohereEmbedResponse(BaseModel):
     embeddings: CohereEmbeddings | list[list[float]]
     texts: list[str]
     meta: CohereMeta
+    chunks: list[list[CohereChunk]] | None = None
+    """With ``chunking`` (late, or windows with ``return_chunks``): per text its chunks."""

@@ -122,7 +122,8 @@ def plan(
 ) -> LatePlan:
     """One input's sequences and chunks. Runs on a tokenization thread (the text's characters are checked).
     `max_chunks`: the macro-windows a long input may make; `combinable`: the model has no Dense layers after
-    its pooling, so a chunk's vector is the token-weighted mean of its pieces' (long late chunking)."""
+    its pooling, so a chunk's vector may be the token-weighted mean of its pieces' (long late chunking as
+    the paper's code does it: `macro_windows`); else each chunk is pooled from one window (`chunk_windows`)."""
     spans = [(int(s), int(e)) for s, e in opts.spans] if opts.spans is not None else None
     if spans is not None:
         check_spans(spans, len(text))
@@ -151,13 +152,31 @@ def plan(
         request = OutputRequest(frozenset({DENSE, LATE}), spans=tuple(rows))
         window = LateWindow(seq, 0, len(text), len(ids), request)
         return LatePlan([window], chunks, [[(0, k, t - s)] for k, (s, t) in enumerate(rows)])
-    if not combinable:
-        raise ChunkError(
-            f"input {index} makes {len(seq)} tokens, more than the {max_length} of the model's window; "
-            "long late chunking (macro-windows) needs a model without Dense layers after its pooling"
+    if combinable:
+        windows, parts = macro_windows(seq, rows, max_length, opts.context_overlap or 0, max_chunks, index)
+    else:
+        param = "input" if opts.joined else SPANS if spans is not None else "chunking.size"
+        windows, parts = chunk_windows(
+            seq, rows, max_length, opts.context_overlap or 0, max_chunks, index, param
         )
-    windows, parts = macro_windows(seq, rows, max_length, opts.context_overlap or 0, max_chunks, index)
     return LatePlan(windows, chunks, parts, long=True)
+
+
+def _check_overlap(overlap: int, max_length: int) -> None:
+    if not 0 <= overlap <= max_length // 2:
+        raise ChunkError(
+            f"chunking.context_overlap must be in 0..{max_length // 2} tokens (half of the {max_length} of a "
+            f"window), got {overlap}",
+            param="chunking.context_overlap",
+        )
+
+
+def _check_count(windows: int, tokens: int, max_length: int, max_chunks: int, index: int) -> None:
+    if windows > max_chunks:
+        raise ChunkError(
+            f"input {index} has {tokens} tokens, which make {windows} windows of {max_length}; "
+            f"the limit is {max_chunks} per input (--max-chunks-per-input)"
+        )
 
 
 def macro_windows(
@@ -168,28 +187,84 @@ def macro_windows(
     each token's vector comes from the first window in which it is not one of the `overlap` leading tokens
     of context, so window j > 0 owns its tokens from its (overlap + 1)-th on. A chunk is pooled from the
     pieces of it each window owns; the whole sequence is one more chunk (the input's own vector)."""
-    if not 0 <= overlap <= max_length // 2:
-        raise ChunkError(
-            f"chunking.context_overlap must be in 0..{max_length // 2} tokens (half of the {max_length} of a "
-            f"window), got {overlap}",
-            param="chunking.context_overlap",
-        )
+    _check_overlap(overlap, max_length)
     bounds = window_bounds(len(seq), max_length, overlap)
-    if len(bounds) > max_chunks:
-        raise ChunkError(
-            f"input {index} has {len(seq)} tokens, which make {len(bounds)} windows of {max_length}; "
-            f"the limit is {max_chunks} per input (--max-chunks-per-input)"
-        )
+    _check_count(len(bounds), len(seq), max_length, max_chunks, index)
     owned = [(s + (overlap if j else 0), e) for j, (s, e) in enumerate(bounds)]
+    return _pieces(seq, rows, bounds, owned)
+
+
+def chunk_windows(
+    seq: list[int],
+    rows: list[tuple[int, int]],
+    max_length: int,
+    overlap: int,
+    max_chunks: int,
+    index: int,
+    param: str = SPANS,
+) -> tuple[list[LateWindow], list[list[tuple[int, int, int]]]]:
+    """Long late chunking for a model with Dense layers after its pooling, which do not commute with the
+    mean: each chunk is pooled whole from one window, then the Dense layers. Taking the chunks in the order
+    of their first token, a window opens for the first chunk no window holds yet: `overlap` tokens of
+    context before the chunk (from the sequence's start when that reaches its leading special tokens; fewer
+    when the chunk is longer than ``max_length - overlap``; more when the window would pass the sequence's
+    end, so that the last window holds ``max_length`` tokens), `max_length` tokens long; it holds every
+    chunk that lies inside it. The input's own vector: its windows' vectors weighted by their tokens, each
+    window's the mean of the tokens it adds to the ones before it, then the Dense layers (as long inputs'
+    windows are averaged without late chunking)."""
+    _check_overlap(overlap, max_length)
+    first = min((a for a, _ in rows), default=0)  # the text's first token: after the template's head
+    bounds: list[tuple[int, int]] = []
+    held = [False] * len(rows)
+    for k in sorted(range(len(rows)), key=lambda k: rows[k]):
+        if held[k]:
+            continue
+        a, b = rows[k]
+        if b - a > max_length:
+            raise ChunkError(
+                f"chunk {k} of input {index} has {b - a} tokens, more than the {max_length} of the model's "
+                "window: a model with Dense layers after its pooling pools each chunk from one window",
+                param=param,
+            )
+        start = max(0, a - overlap)
+        start = 0 if start <= first else start
+        start = max(b - max_length, min(start, len(seq) - max_length))
+        end = min(len(seq), start + max_length)
+        for q, (x, y) in enumerate(rows):
+            held[q] = held[q] or (start <= x and y <= end)
+        bounds.append((start, end))
+    _check_count(len(bounds), len(seq), max_length, max_chunks, index)
+    owned = [(max(s, bounds[j - 1][1]) if j else s, e) for j, (s, e) in enumerate(bounds)]
+    window_of = [next(j for j, (s, e) in enumerate(bounds) if s <= a and b <= e) for a, b in rows]
+    return _pieces(seq, rows, bounds, owned, window_of)
+
+
+def _pieces(
+    seq: list[int],
+    rows: list[tuple[int, int]],
+    bounds: list[tuple[int, int]],
+    owned: list[tuple[int, int]],
+    window_of: list[int] | None = None,
+) -> tuple[list[LateWindow], list[list[tuple[int, int, int]]]]:
+    """The windows and each chunk's pieces (window, its span's place in that window's spans, tokens): a
+    chunk's pieces are what each window owns of it, or (`window_of`) the whole chunk from its one window;
+    the last chunk is the whole sequence (the input's own vector), from the `owned` ranges."""
     spans: list[list[tuple[int, int]]] = [[] for _ in bounds]
     parts = []
-    for a, b in [*rows, (0, len(seq))]:
+
+    def piece(j: int, x: int, y: int) -> tuple[int, int, int]:
+        spans[j].append((x - bounds[j][0], y - bounds[j][0]))
+        return (j, len(spans[j]) - 1, y - x)
+
+    for c, (a, b) in enumerate([*rows, (0, len(seq))]):
+        if window_of is not None and c < len(rows):
+            parts.append([piece(window_of[c], a, b)])
+            continue
         mine = []
         for j, (lo, hi) in enumerate(owned):
             x, y = max(a, lo), min(b, hi)
             if x < y:
-                mine.append((j, len(spans[j]), y - x))
-                spans[j].append((x - bounds[j][0], y - bounds[j][0]))
+                mine.append(piece(j, x, y))
         parts.append(mine)
     windows = [
         LateWindow(seq[s:e], 0, 0, e - s, OutputRequest(frozenset({LATE}), spans=tuple(spans[j])))

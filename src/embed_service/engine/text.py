@@ -29,7 +29,7 @@ from embed_service.engine.tokenizer import (
     Truncation,
 )
 from embed_service.models.spec import ModelSpec
-from embed_service.outputs import DENSE, DENSE_ONLY, KINDS, SCORE, SPARSE, OutputRequest, Sparse
+from embed_service.outputs import DENSE, DENSE_ONLY, KINDS, SCORE, SPARSE, TOKENS, OutputRequest, Sparse
 
 Inputs = list[str] | list[list[int]]
 T = TypeVar("T")
@@ -63,6 +63,7 @@ class EmbedResult:
     chunks: list[chunking.Chunks] | None = None  # per input, with chunking.return_chunks
     sparse: list[Sparse] | None = None  # per input, special tokens dropped, when asked for
     colbert: list[np.ndarray] | None = None  # per input (L - 1, C) float32, normalized, when asked for
+    tokens: list[np.ndarray] | None = None  # per input (L, H) float32 last hidden states, when asked for
 
 
 def finish(vectors: np.ndarray, dimensions: int | None, normalize: bool) -> np.ndarray:
@@ -184,7 +185,7 @@ class TextSide:
         kinds = self.spec.default_outputs if kinds is None else kinds  # sparse for a SPLADE model
         if not kinds:
             raise InvalidInputError("outputs must name at least one output kind", param="outputs")
-        missing = sorted(kinds - self.spec.outputs)
+        missing = sorted(kinds - self.spec.outputs - ({TOKENS} if DENSE in self.spec.outputs else set()))
         if missing:
             raise InvalidInputError(
                 f"model {self.name} does not give {', '.join(missing)} outputs (it gives "

@@ -14,7 +14,8 @@ never exist whole: they are made a few hundred rows at a time (SPLADE_CHUNK_ELEM
 
 Late chunking (engine/late.py): per span a sequence asks for, the mean of the span's rows of the last hidden
 states in float32 (the paper's pooling, whatever the model's own pooling), then the Dense layers as for the
-dense output, so a chunk vector is finished as a plain vector is.
+dense output, so a chunk vector is finished as a plain vector is. Token-level output: every row of a
+sequence's last hidden states in float32, as they are.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from embed_service.outputs import (
     LATE,
     SCORE,
     SPARSE,
+    TOKENS,
     OutputRequest,
     SequenceOutput,
     Sparse,
@@ -105,6 +107,14 @@ class OutputHeads(nn.Module):
             self._colbert(hidden, cu, want[COLBERT], outs)
         if want[LATE]:
             self._late(hidden, cu, [(i, requests[i].spans) for i in want[LATE]], outs)
+        if want[TOKENS]:
+            rows = _rows(cu, want[TOKENS], skip_first=False).to(hidden.device)
+            vectors = hidden[rows].float().cpu().numpy()
+            start = 0
+            for i in want[TOKENS]:
+                n = cu[i + 1] - cu[i]
+                outs[i].tokens = vectors[start : start + n]
+                start += n
         if want[SCORE]:
             assert self.score is not None, "only scoring models give scores (ModelSpec.outputs)"
             scores = self.score(hidden.float(), cu_seqlens)[torch.tensor(want[SCORE], device=hidden.device)]

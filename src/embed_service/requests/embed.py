@@ -92,10 +92,11 @@ class EmbeddingRequest(BaseModel):
     late_chunking: StrictBool = False
     """Jina's late chunking: the inputs are the consecutive chunks of one document, embedded in one forward
     pass (joined as they are); one vector per input."""
-    outputs: list[Literal["dense", "sparse", "colbert"]] | None = Field(None, min_length=1)
+    outputs: list[Literal["dense", "sparse", "colbert", "tokens"]] | None = Field(None, min_length=1)
     """The outputs of each input, from one forward (default: dense; sparse for a SPLADE model). ``sparse``
     (lexical weights) and ``colbert`` (one vector per token) need a model with those heads (bge-m3, SPLADE);
-    see docs/api.md."""
+    ``tokens``: every token's last hidden state, special tokens included (any embedding model); see
+    docs/api.md."""
     sparse_tokens: StrictBool = False
     """With a sparse output: also each token id's token, as ``sparse.tokens``."""
     max_active_dims: TokenCount | None = None
@@ -133,6 +134,24 @@ class SparseEmbedRequest(BaseModel):
         return check_input(v)
 
 
+class EmbedAllRequest(BaseModel):
+    """POST /embed_all (text-embeddings-inference's route): every token's vector, without pooling."""
+
+    model_config = ConfigDict(extra="ignore", use_attribute_docstrings=True)
+
+    inputs: Annotated[list[str] | list[list[int]], EMBED_INPUT]
+    model: str | None = None
+    truncate: StrictBool | None = None
+    truncation_direction: Literal["right", "left"] = "right"
+    prompt_name: StrictStr | None = None
+    prompt: StrictStr | None = None
+
+    @field_validator("inputs", mode="before")
+    @classmethod
+    def _inputs(cls, v: Any) -> Any:
+        return check_input(v)
+
+
 class TokenizeRequest(BaseModel):
     """POST /tokenize: the ids /v1/embeddings would embed."""
 
@@ -163,16 +182,16 @@ def embed_options(body: EmbeddingRequest) -> EmbedOptions:
         outputs=frozenset(body.outputs) if body.outputs else None,  # None: the model's default
         max_active_dims=body.max_active_dims,
         sparse_threshold=body.sparse_threshold,
-        chunking=chunk_options(body),
+        chunking=chunk_options(body.chunking, body.late_chunking),
         cache=body.cache,
     )
 
 
-def chunk_options(body: EmbeddingRequest) -> ChunkOptions | None:
-    """The engine's chunking options: windows of long inputs (engine/chunking.py) or late chunking
-    (engine/late.py: `chunking.mode` "late", or Jina's `late_chunking`)."""
-    c = body.chunking
-    if body.late_chunking:
+def chunk_options(c: Chunking | None, late_chunking: bool) -> ChunkOptions | None:
+    """The engine's chunking options (a request's `chunking` and `late_chunking`, on /v1/embeddings and
+    Cohere's /v2/embed): windows of long inputs (engine/chunking.py) or late chunking (engine/late.py:
+    `chunking.mode` "late", or Jina's `late_chunking`)."""
+    if late_chunking:
         if c is not None:
             raise InvalidInputError(
                 "late_chunking: true and chunking are two ways to ask; send one", "chunking"
@@ -198,6 +217,17 @@ def sparse_options(body: SparseEmbedRequest) -> EmbedOptions:
         outputs=frozenset({"sparse"}),
         max_active_dims=body.max_active_dims,
         sparse_threshold=body.sparse_threshold,
+    )
+
+
+def tokens_options(body: EmbedAllRequest) -> EmbedOptions:
+    """The engine's options for an /embed_all request: the token-level output only."""
+    return EmbedOptions(
+        body.truncate,
+        body.truncation_direction,
+        prompt_name=body.prompt_name,
+        prompt=body.prompt,
+        outputs=frozenset({"tokens"}),
     )
 
 

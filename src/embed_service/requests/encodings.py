@@ -177,12 +177,13 @@ def check_applies(
                 f"{', '.join(sorted(kinds))}); leave it out",
                 given[0],
             )
-    if "colbert" in kinds and dtype != "float32":
-        raise EncodingError(
-            f"embed_dtype {dtype} applies to dense vectors only and ColBERT vectors are sent as float32: ask "
-            "for the colbert output in a request with embed_dtype float32",
-            "embed_dtype",
-        )
+    for kind, name in (("colbert", "ColBERT"), ("tokens", "token")):
+        if kind in kinds and dtype != "float32":
+            raise EncodingError(
+                f"embed_dtype {dtype} applies to dense vectors only and {name} vectors are sent as float32: "
+                f"ask for the {kind} output in a request with embed_dtype float32",
+                "embed_dtype",
+            )
 
 
 def check_ranges(dtype: str, embed_ranges: Sequence[Any] | None, dimension: int) -> np.ndarray | None:

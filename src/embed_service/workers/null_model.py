@@ -4,7 +4,7 @@ With ``EMBED_NULL_MODEL=1`` in the server's environment, each worker builds this
 reads the model's folder as usual (the spec: dimension, outputs), loads no weights, and answers every batch
 with constant outputs of the right shapes, one `SequenceOutput` per sequence, as the real heads build them
 (dense rows of one (B, D) array, a sparse entry per distinct token id, a ColBERT vector per token after the
-first). Tokenization, admission, the batcher, the pipes and the HTTP layer run exactly as they do with the
+first, a late chunking vector per span the sequence asks for, a token vector per token). Tokenization, admission, the batcher, the pipes and the HTTP layer run exactly as they do with the
 model, so the server's throughput is then the ceiling of its front end (docs/performance.md).
 
 An environment variable, not a setting: it is a measuring tool, and the vectors it gives mean nothing.
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from embed_service.outputs import COLBERT, DENSE, SPARSE, OutputRequest, SequenceOutput, Sparse
+from embed_service.outputs import COLBERT, DENSE, LATE, SPARSE, TOKENS, OutputRequest, SequenceOutput, Sparse
 
 ENV = "EMBED_NULL_MODEL"
 
@@ -51,4 +51,8 @@ class NullModel:
                 out.sparse = Sparse(uniq, np.ones(uniq.size, np.float32))
             if COLBERT in req.kinds:
                 out.colbert = np.zeros((max(0, cu[i + 1] - cu[i] - 1), self.dimension), np.float32)
+            if LATE in req.kinds:
+                out.late = np.full((len(req.spans), self.dimension), self.dimension**-0.5, np.float32)
+            if TOKENS in req.kinds:
+                out.tokens = np.zeros((cu[i + 1] - cu[i], self.dimension), np.float32)
         return outs

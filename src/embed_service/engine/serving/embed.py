@@ -13,7 +13,7 @@ from embed_service.engine.admission import Permit, run_piecewise
 from embed_service.engine.serving.base import EngineBase, Run
 from embed_service.engine.text import EmbedOptions, EmbedResult, Inputs, finish
 from embed_service.engine.tokenizer import Truncation
-from embed_service.outputs import COLBERT, DENSE, SPARSE, OutputRequest, Sparse
+from embed_service.outputs import COLBERT, DENSE, SPARSE, TOKENS, OutputRequest, Sparse
 
 
 class EmbedServing(EngineBase):
@@ -87,6 +87,7 @@ class EmbedServing(EngineBase):
             run.tokens,
             sparse=[self._sparse(r.sparse, opts) for r in results] if SPARSE in kinds else None,
             colbert=[r.colbert for r in results] if COLBERT in kinds else None,
+            tokens=[r.tokens for r in results] if TOKENS in kinds else None,
         )
 
     def _sparse(self, s: Sparse, opts: EmbedOptions) -> Sparse:
