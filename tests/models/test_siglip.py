@@ -1,0 +1,58 @@
+"""SigLIP's towers on the project's layers equal transformers' SiglipModel.get_text_features /
+get_image_features (see test_clip.py for the setup): texts padded to max_length as the SigLIP docs and
+processor pad them (the last position, a pad token, is pooled), and unpadded texts of every length (each
+referenced alone); images through the attention-pooling head; a bilinear resample filter in the processor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import transformers as T
+
+from tests.models.test_clip import TEXT, VISION, build_two_tower, check_towers
+from tests.models.tiny import load_tokenizer, texts
+
+PREPROCESSOR = {  # SigLIP's own settings at the tiny model's resolution, with another resample filter
+    "image_processor_type": "SiglipImageProcessor",
+    "do_resize": True,
+    "size": {"height": 32, "width": 32},
+    "resample": 2,
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
+MAX_LENGTH = 64
+
+
+def siglip_folder(tmp_path, tokenizer_sources):
+    tok = load_tokenizer("bpe-template", tokenizer_sources)
+    text = dict(
+        TEXT,
+        vocab_size=len(tok),
+        max_position_embeddings=MAX_LENGTH,
+        projection_size=VISION["hidden_size"],
+        pad_token_id=0,
+        hidden_act="gelu_pytorch_tanh",
+    )
+    vision = dict(VISION, hidden_act="gelu_pytorch_tanh")
+    config = T.SiglipConfig(text_config=text, vision_config=vision)
+    return build_two_tower(tmp_path / "siglip", "SiglipModel", config, tok, PREPROCESSOR), tok
+
+
+def reference_unpadded(path, ids: list[list[int]]) -> np.ndarray:
+    model = T.AutoModel.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return np.concatenate(
+            [model.get_text_features(input_ids=torch.tensor([seq])).pooler_output.numpy() for seq in ids]
+        )
+
+
+def test_siglip_matches_transformers(tmp_path, tokenizer_sources):
+    path, tok = siglip_folder(tmp_path, tokenizer_sources)
+    padded = tok(texts(), padding="max_length", truncation=True, max_length=MAX_LENGTH)["input_ids"]
+    unpadded = tok(texts(), truncation=True, max_length=MAX_LENGTH)["input_ids"]
+    ids = padded + unpadded
+    check_towers(path, "siglip", "SiglipModel", ids, reference_unpadded(path, ids), "SigLIP")
