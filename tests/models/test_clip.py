@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -19,8 +18,10 @@ import pytest
 import torch
 import transformers as T
 
-from embed_service.models.loader import load_weights
-from embed_service.ops.batch import FlatBatch, padded_tokens
+from embed_service.models.loader import EmbeddingModel
+from embed_service.models.spec import load_spec
+from embed_service.ops.batch import FlatBatch
+from embed_service.outputs import DENSE_ONLY, OutputRequest
 from tests.images.pictures import pictures
 from tests.models.tiny import load_tokenizer, randomize, texts
 
@@ -72,28 +73,33 @@ def build_two_tower(
     return path
 
 
-def ours(path: Path, dtype: torch.dtype, module: str, cls: str) -> Any:
-    """The project's model on the folder's weights, built in `dtype` as the loader builds it."""
-    import importlib
-
-    config = json.loads((path / "config.json").read_text())
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        model = getattr(importlib.import_module(f"embed_service.models.{module}"), cls)(
-            SimpleNamespace(config=config)
-        )
-    finally:
-        torch.set_default_dtype(prev)
-    load_weights(model, path)
-    return model.eval()
+def ours(path: Path, dtype: torch.dtype) -> EmbeddingModel:
+    """The worker's own model on the folder, detected from it (models/spec.py)."""
+    return EmbeddingModel(load_spec(path), dtype, torch.device("cpu")).eval()
 
 
-def text_vectors(model: Any, ids: list[list[int]]) -> np.ndarray:
-    tokens = sum(len(s) for s in ids)
-    batch = FlatBatch.from_lengths(torch.tensor([t for s in ids for t in s]), [len(s) for s in ids])
-    with torch.inference_mode():
-        return model.text_features(batch.padded(padded_tokens(tokens)), tokens).numpy()
+def served(
+    model: EmbeddingModel, ids: list[list[int]], pixels: torch.Tensor
+) -> tuple[np.ndarray, np.ndarray]:
+    """Text and image vectors from one batch, as a worker runs it: the images (placeholder ids as long as
+    their vision-tower tokens, the pixels in their requests) interleaved with the texts."""
+    per_image = model.spec.tokens_per_image
+    seqs, requests, kinds = [], [], []
+    images = [p.numpy().astype(np.float32).tobytes() for p in pixels]
+    for k in range(max(len(ids), len(images))):
+        if k < len(ids):
+            seqs.append(ids[k]), requests.append(DENSE_ONLY), kinds.append("text")
+        if k < len(images):
+            (
+                seqs.append([0] * per_image),
+                requests.append(OutputRequest(pixels=images[k])),
+                kinds.append("image"),
+            )
+    batch = FlatBatch.from_lengths(torch.tensor([t for s in seqs for t in s]), [len(s) for s in seqs])
+    out = model(batch, requests)
+    text = np.stack([o.dense for o, kind in zip(out, kinds) if kind == "text"])
+    image = np.stack([o.dense for o, kind in zip(out, kinds) if kind == "image"])
+    return text, image
 
 
 def reference_text(path: Path, ids: list[list[int]], pad: int, mask: bool = True) -> np.ndarray:
@@ -128,14 +134,11 @@ def min_cos(a: np.ndarray, b: np.ndarray) -> float:
     return float(cos.min())
 
 
-def check_towers(path: Path, module: str, cls: str, ids: list[list[int]], ref_text: np.ndarray, label: str):
+def check_towers(path: Path, ids: list[list[int]], ref_text: np.ndarray, label: str):
     pixels = pixel_values(path)
     ref_img = reference_images(path, pixels)
     for dtype, bound in ((torch.float32, 0.99999), (torch.bfloat16, 0.999)):
-        model = ours(path, dtype, module, cls)
-        got_text = text_vectors(model, ids)
-        with torch.inference_mode():
-            got_img = model.image_features(pixels.to(dtype)).numpy()
+        got_text, got_img = served(ours(path, dtype), ids, pixels)
         assert got_text.shape == ref_text.shape and got_img.shape == ref_img.shape
         t, i = min_cos(got_text, ref_text), min_cos(got_img, ref_img)
         print(
@@ -162,4 +165,40 @@ def test_clip_matches_transformers(tmp_path, tokenizer_sources, tokenizer, eos_t
     # A text with no end-of-text token, and one with it mid-text: the pooled position is transformers' too.
     ids += [ids[0][:-1], (ids[1][:3] + [eos] + ids[1][3:])[: TEXT["max_position_embeddings"]]]
     # Padded with 0 in the reference batches: never the highest id, so the legacy rule sees the real ones.
-    check_towers(path, "clip", "CLIPModel", ids, reference_text(path, ids, pad=0), f"CLIP {tokenizer}")
+    check_towers(path, ids, reference_text(path, ids, pad=0), f"CLIP {tokenizer}")
+
+
+def test_sentence_transformers_clip_layout_loads_and_matches(tmp_path, tokenizer_sources):
+    """sentence-transformers' CLIP layout (modules.json naming one CLIPModel module in 0_CLIPModel/) is
+    detected, and its text and image vectors equal SentenceTransformer.encode on the same folder."""
+    from sentence_transformers import SentenceTransformer
+
+    tok = load_tokenizer("wordpiece", tokenizer_sources)
+    text = dict(TEXT, vocab_size=len(tok), eos_token_id=tok.sep_token_id, pad_token_id=0)
+    config = T.CLIPConfig(text_config=text, vision_config=VISION, projection_dim=40)
+    build_two_tower(tmp_path / "st" / "0_CLIPModel", "CLIPModel", config, tok, PREPROCESSOR)
+    modules = [
+        {"idx": 0, "name": "0", "path": "0_CLIPModel", "type": "sentence_transformers.models.CLIPModel"}
+    ]
+    (tmp_path / "st" / "modules.json").write_text(json.dumps(modules))
+    spec = load_spec(tmp_path / "st")
+    assert spec.path == (tmp_path / "st" / "0_CLIPModel").resolve()
+    assert (spec.modalities, spec.dimension, spec.tokens_per_image) == (frozenset({"text", "image"}), 40, 17)
+    st = SentenceTransformer(str(tmp_path / "st"), device="cpu")
+    sample = texts()[:20]
+    images = [p.image for p in pictures()]
+    want_text = st.encode(sample, convert_to_numpy=True)
+    want_img = st.encode(images, convert_to_numpy=True)
+    ids = tok(sample, truncation=True, max_length=TEXT["max_position_embeddings"])["input_ids"]
+    processor = spec.image_processor
+    pixels = torch.from_numpy(np.stack([processor(i) for i in images]))
+    got_text, got_img = served(ours(tmp_path / "st", torch.float32), ids, pixels)
+    assert min_cos(got_text, want_text) >= 0.99999
+    assert min_cos(got_img, want_img) >= 0.99999
+
+
+def test_siglip2_naflex_is_refused():
+    from embed_service.models.registry import UnsupportedModelError, resolve_family
+
+    with pytest.raises(UnsupportedModelError, match="Siglip2Model"):
+        resolve_family({"architectures": ["Siglip2Model"]})

@@ -55,4 +55,4 @@ def test_siglip_matches_transformers(tmp_path, tokenizer_sources):
     padded = tok(texts(), padding="max_length", truncation=True, max_length=MAX_LENGTH)["input_ids"]
     unpadded = tok(texts(), truncation=True, max_length=MAX_LENGTH)["input_ids"]
     ids = padded + unpadded
-    check_towers(path, "siglip", "SiglipModel", ids, reference_unpadded(path, ids), "SigLIP")
+    check_towers(path, ids, reference_unpadded(path, ids), "SigLIP")

@@ -29,40 +29,9 @@ from embed_service.layers.embedding import ReplicatedEmbedding, VocabParallelEmb
 from embed_service.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, dense
 from embed_service.layers.norm import LayerNorm
 from embed_service.models.encoder import PackedSelfAttention
+from embed_service.models.towers import dimension, tower
 from embed_service.ops.attention import varlen_attention
 from embed_service.ops.batch import FlatBatch
-
-# transformers' CLIPTextConfig / CLIPVisionConfig defaults, for keys a saved config leaves out.
-CLIP_TEXT_DEFAULTS: dict[str, Any] = {
-    "hidden_size": 512,
-    "intermediate_size": 2048,
-    "num_attention_heads": 8,
-    "num_hidden_layers": 12,
-    "max_position_embeddings": 77,
-    "hidden_act": "quick_gelu",
-    "layer_norm_eps": 1e-5,
-    "vocab_size": 49408,
-    "eos_token_id": 49407,
-}
-CLIP_VISION_DEFAULTS: dict[str, Any] = {
-    "hidden_size": 768,
-    "intermediate_size": 3072,
-    "num_attention_heads": 12,
-    "num_hidden_layers": 12,
-    "image_size": 224,
-    "patch_size": 32,
-    "num_channels": 3,
-    "hidden_act": "quick_gelu",
-    "layer_norm_eps": 1e-5,
-}
-
-
-def tower_config(config: dict[str, Any], key: str, defaults: dict[str, Any]) -> dict[str, Any]:
-    """One tower's settings: config.json's ``text_config`` / ``vision_config`` over its class defaults."""
-    own = config.get(key) or {}
-    if not isinstance(own, dict):
-        raise ValueError(f"config.json: {key} is not an object")
-    return {**defaults, **{k: v for k, v in own.items() if v is not None}}
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -272,9 +241,8 @@ class CLIPModel(TwoTowerModel):
     def __init__(self, spec: Any):
         super().__init__()
         cfg = spec.config
-        text = tower_config(cfg, "text_config", CLIP_TEXT_DEFAULTS)
-        vision = tower_config(cfg, "vision_config", CLIP_VISION_DEFAULTS)
-        projection = int(cfg.get("projection_dim") or 512)
+        text, vision = tower(cfg, "CLIPModel", "text_config"), tower(cfg, "CLIPModel", "vision_config")
+        projection = dimension(cfg, "CLIPModel")
         self.text_model = CLIPTextTransformer(text)
         self.vision_model = CLIPVisionTransformer(vision)
         self.text_projection = ReplicatedLinear(text["hidden_size"], projection, bias=False)

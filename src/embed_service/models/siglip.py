@@ -40,34 +40,10 @@ from embed_service.models.clip import (
     TowerMLP,
     TwoTowerModel,
     image_batch,
-    tower_config,
 )
+from embed_service.models.towers import tower
 from embed_service.ops.batch import FlatBatch
 from embed_service.parallel import tp_rank, tp_world_size
-
-# transformers' SiglipTextConfig / SiglipVisionConfig defaults, for keys a saved config leaves out.
-SIGLIP_TEXT_DEFAULTS: dict[str, Any] = {
-    "hidden_size": 768,
-    "intermediate_size": 3072,
-    "num_attention_heads": 12,
-    "num_hidden_layers": 12,
-    "max_position_embeddings": 64,
-    "hidden_act": "gelu_pytorch_tanh",
-    "layer_norm_eps": 1e-6,
-    "vocab_size": 32000,
-}
-SIGLIP_VISION_DEFAULTS: dict[str, Any] = {
-    "hidden_size": 768,
-    "intermediate_size": 3072,
-    "num_attention_heads": 12,
-    "num_hidden_layers": 12,
-    "image_size": 224,
-    "patch_size": 16,
-    "num_channels": 3,
-    "hidden_act": "gelu_pytorch_tanh",
-    "layer_norm_eps": 1e-6,
-    "vision_use_head": True,
-}
 
 
 class SiglipTextTransformer(nn.Module):
@@ -171,7 +147,5 @@ class SiglipModel(TwoTowerModel):
     def __init__(self, spec: Any):
         super().__init__()
         cfg = spec.config
-        self.text_model = SiglipTextTransformer(tower_config(cfg, "text_config", SIGLIP_TEXT_DEFAULTS))
-        self.vision_model = SiglipVisionTransformer(
-            tower_config(cfg, "vision_config", SIGLIP_VISION_DEFAULTS)
-        )
+        self.text_model = SiglipTextTransformer(tower(cfg, "SiglipModel", "text_config"))
+        self.vision_model = SiglipVisionTransformer(tower(cfg, "SiglipModel", "vision_config"))
