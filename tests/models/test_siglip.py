@@ -1,7 +1,8 @@
 """SigLIP's towers on the project's layers equal transformers' SiglipModel.get_text_features /
-get_image_features (see test_clip.py for the setup): texts padded to max_length as the SigLIP docs and
-processor pad them (the last position, a pad token, is pooled), and unpadded texts of every length (each
-referenced alone); images through the attention-pooling head; a bilinear resample filter in the processor.
+get_image_features (see test_clip.py for the setup). Texts come in as the tokenizer gives them, unpadded;
+the reference is what the SigLIP docs and SiglipProcessor do, padding="max_length" (the last position, a
+pad token, is pooled), so the server pads them the same, with the tokenizer's pad token (not the config's
+pad_token_id, set apart here). Images through the attention-pooling head; a bilinear resample filter.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import numpy as np
 import torch
 import transformers as T
 
+from embed_service.models.spec import load_spec
 from tests.models.test_clip import TEXT, VISION, build_two_tower, check_towers
 from tests.models.tiny import load_tokenizer, texts
 
@@ -29,12 +31,13 @@ MAX_LENGTH = 64
 
 def siglip_folder(tmp_path, tokenizer_sources):
     tok = load_tokenizer("bpe-template", tokenizer_sources)
+    tok.pad_token = "<|endoftext|>"  # id 0; the config says 5
     text = dict(
         TEXT,
         vocab_size=len(tok),
         max_position_embeddings=MAX_LENGTH,
         projection_size=VISION["hidden_size"],
-        pad_token_id=0,
+        pad_token_id=5,
         hidden_act="gelu_pytorch_tanh",
     )
     vision = dict(VISION, hidden_act="gelu_pytorch_tanh")
@@ -42,17 +45,15 @@ def siglip_folder(tmp_path, tokenizer_sources):
     return build_two_tower(tmp_path / "siglip", "SiglipModel", config, tok, PREPROCESSOR), tok
 
 
-def reference_unpadded(path, ids: list[list[int]]) -> np.ndarray:
+def reference(path, ids: list[list[int]]) -> np.ndarray:
     model = T.AutoModel.from_pretrained(str(path), dtype=torch.float32).eval()
     with torch.inference_mode():
-        return np.concatenate(
-            [model.get_text_features(input_ids=torch.tensor([seq])).pooler_output.numpy() for seq in ids]
-        )
+        return model.get_text_features(input_ids=torch.tensor(ids)).pooler_output.numpy()
 
 
 def test_siglip_matches_transformers(tmp_path, tokenizer_sources):
     path, tok = siglip_folder(tmp_path, tokenizer_sources)
+    assert load_spec(path).text_padding == (MAX_LENGTH, 0)
     padded = tok(texts(), padding="max_length", truncation=True, max_length=MAX_LENGTH)["input_ids"]
     unpadded = tok(texts(), truncation=True, max_length=MAX_LENGTH)["input_ids"]
-    ids = padded + unpadded
-    check_towers(path, ids, reference_unpadded(path, ids), "SigLIP")
+    check_towers(path, unpadded, reference(path, padded), "SigLIP")

@@ -107,6 +107,7 @@ class TwoTowers:
         size = towers.image_size(spec.config, spec.family.cls)
         self.model, self.dtype, self.image_shape = model, dtype, (3, size, size)
         self.pad_length = min(64, spec.position_limit)  # dummy sequences' positions stay in the table
+        self.text_padding = spec.text_padding
 
     def __call__(self, batch: FlatBatch, requests: list[OutputRequest]) -> list[SequenceOutput]:
         outs = [SequenceOutput() for _ in requests]
@@ -114,10 +115,8 @@ class TwoTowers:
         images = [i for i, r in enumerate(requests) if r.pixels]
         device = batch.input_ids.device
         if texts:
-            if images:  # the texts alone, laid end to end again
-                cu = batch.cu_seqlens.tolist()
-                ids = torch.cat([batch.input_ids[cu[i] : cu[i + 1]] for i in texts]).cpu()
-                batch = FlatBatch.from_lengths(ids, [cu[i + 1] - cu[i] for i in texts]).to(device)
+            if images or self.text_padding is not None:  # the texts alone, laid end to end again
+                batch = self._texts(batch, texts).to(device)
             tokens = int(batch.cu_seqlens[-1])
             run = batch.padded(padded_tokens(tokens), self.pad_length) if device.type == "cpu" else batch
             for i, row in zip(texts, self.model.text_features(run, tokens).cpu().numpy()):
@@ -128,6 +127,15 @@ class TwoTowers:
             for i, row in zip(images, self.model.image_features(pixels).cpu().numpy()):
                 outs[i].dense = row
         return outs
+
+    def _texts(self, batch: FlatBatch, texts: list[int]) -> FlatBatch:
+        """The flat batch of sequences `texts` only, each padded to the text padding's length if any."""
+        cu = batch.cu_seqlens.tolist()
+        seqs = [batch.input_ids[cu[i] : cu[i + 1]].cpu() for i in texts]
+        if self.text_padding is not None:
+            length, pad = self.text_padding
+            seqs = [torch.cat([s, torch.full((length - len(s),), pad, dtype=s.dtype)]) for s in seqs]
+        return FlatBatch.from_lengths(torch.cat(seqs), [len(s) for s in seqs])
 
 
 class EmbeddingModel(nn.Module):

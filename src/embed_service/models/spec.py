@@ -67,6 +67,8 @@ class ModelSpec:
     of the MLM head's logits, and it gives no dense output."""
     image_processor: Any = None
     """A two-tower model's images.preprocess.ImageProcessor (preprocessor_config.json); None: text only."""
+    text_padding: tuple[int, int] | None = None
+    """(length, pad id) each text is padded to before the text tower (SigLIP: models/towers.py)."""
 
     @property
     def modalities(self) -> frozenset[str]:
@@ -211,7 +213,10 @@ def load_spec(path: str | Path, max_input_length: int | None = None, llm_reranke
         splade=splade,
     )
     if family.towers:
+        from embed_service.models import towers
+
         spec.image_processor = image_processor(path, architecture)
+        spec.text_padding = towers.siglip_padding(path, config, family.cls)
     spec.max_input_length = max_input_length or default_max_length(path, position_limit)
     if spec.max_input_length > position_limit:
         raise ValueError(

@@ -9,6 +9,8 @@ which equals the vision width). An image costs the batcher its tokens in the vis
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 # transformers' CLIPTextConfig / CLIPVisionConfig / SiglipTextConfig / SiglipVisionConfig defaults, for keys
@@ -106,3 +108,36 @@ def check_vision_shardable(config: dict[str, Any], cls: str, world_size: int) ->
             f"cannot split the model over --tensor-parallel-size {world_size}: "
             f"{' and '.join(problems)} must divide by {world_size}"
         )
+
+
+def siglip_padding(path: Path, config: dict[str, Any], cls: str) -> tuple[int, int] | None:
+    """(length, pad id) every SigLIP text is padded to before its text tower, as SiglipProcessor and the
+    documented usage pad it (``padding="max_length"``: the model pools the last position, trained so); the
+    tokenizer's own pad token, else the text config's pad_token_id. None for CLIP (no padding)."""
+    if cls != "SiglipModel":
+        return None
+    text = tower(config, cls, "text_config")
+    return int(text["max_position_embeddings"]), tokenizer_pad_id(path, int(text["pad_token_id"]))
+
+
+def tokenizer_pad_id(path: Path, default: int) -> int:
+    """The id of tokenizer_config.json's pad_token in tokenizer.json (its added tokens, else its vocabulary)."""
+    try:
+        pad = json.loads((path / "tokenizer_config.json").read_text()).get("pad_token")
+        pad = pad.get("content") if isinstance(pad, dict) else pad
+        if not isinstance(pad, str):
+            return default
+        data = json.loads((path / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        return default
+    for token in data.get("added_tokens") or []:
+        if token.get("content") == pad:
+            return int(token["id"])
+    vocab = (data.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict) and pad in vocab:
+        return int(vocab[pad])
+    if isinstance(vocab, list):  # Unigram: [[piece, score], ...]
+        for i, entry in enumerate(vocab):
+            if entry and entry[0] == pad:
+                return i
+    return default
