@@ -202,3 +202,51 @@ def test_siglip2_naflex_is_refused():
 
     with pytest.raises(UnsupportedModelError, match="Siglip2Model"):
         resolve_family({"architectures": ["Siglip2Model"]})
+
+
+def _tp_rank(rank: int, world: int, init: str, path: str, ids, pixels, out) -> None:
+    import torch.distributed as dist
+
+    from embed_service.parallel import set_tensor_parallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    set_tensor_parallel(rank, world)
+    try:
+        text, image = served(ours(Path(path), torch.float32), ids, pixels)
+        if rank == 0:
+            out.put((text, image))
+    finally:
+        dist.destroy_process_group()
+
+
+def tensor_parallel_vectors(path: Path, ids, pixels: torch.Tensor, world: int = 2):
+    """The towers' vectors with the weights split over `world` ranks (processes joined over gloo)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    init = f"file://{path.parent / 'tp-rendezvous'}"
+    procs = [
+        ctx.Process(target=_tp_rank, args=(r, world, init, str(path), ids, pixels, out)) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    result = out.get(timeout=600)
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    return result
+
+
+def test_clip_tensor_parallel_2_equals_transformers(tmp_path, tokenizer_sources):
+    """Both towers split over 2 ranks (heads, MLP, vocabulary) give transformers' vectors."""
+    tok = load_tokenizer("wordpiece", tokenizer_sources)
+    text = dict(TEXT, vocab_size=len(tok), eos_token_id=tok.sep_token_id, pad_token_id=0)
+    config = T.CLIPConfig(text_config=text, vision_config=VISION, projection_dim=40)
+    path = build_two_tower(tmp_path / "clip", "CLIPModel", config, tok, PREPROCESSOR)
+    ids = tok(texts()[:24], truncation=True, max_length=TEXT["max_position_embeddings"])["input_ids"]
+    pixels = pixel_values(path)
+    got_text, got_img = tensor_parallel_vectors(path, ids, pixels)
+    assert min_cos(got_text, reference_text(path, ids, pad=0)) >= 0.99999
+    assert min_cos(got_img, reference_images(path, pixels)) >= 0.99999

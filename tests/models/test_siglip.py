@@ -12,7 +12,16 @@ import torch
 import transformers as T
 
 from embed_service.models.spec import load_spec
-from tests.models.test_clip import TEXT, VISION, build_two_tower, check_towers
+from tests.models.test_clip import (
+    TEXT,
+    VISION,
+    build_two_tower,
+    check_towers,
+    min_cos,
+    pixel_values,
+    reference_images,
+    tensor_parallel_vectors,
+)
 from tests.models.tiny import load_tokenizer, texts
 
 PREPROCESSOR = {  # SigLIP's own settings at the tiny model's resolution, with another resample filter
@@ -57,3 +66,14 @@ def test_siglip_matches_transformers(tmp_path, tokenizer_sources):
     padded = tok(texts(), padding="max_length", truncation=True, max_length=MAX_LENGTH)["input_ids"]
     unpadded = tok(texts(), truncation=True, max_length=MAX_LENGTH)["input_ids"]
     check_towers(path, unpadded, reference(path, padded), "SigLIP")
+
+
+def test_siglip_tensor_parallel_2_equals_transformers(tmp_path, tokenizer_sources):
+    """Both towers and the attention-pooling head split over 2 ranks give transformers' vectors."""
+    path, tok = siglip_folder(tmp_path, tokenizer_sources)
+    padded = tok(texts()[:24], padding="max_length", truncation=True, max_length=MAX_LENGTH)["input_ids"]
+    unpadded = tok(texts()[:24], truncation=True, max_length=MAX_LENGTH)["input_ids"]
+    pixels = pixel_values(path)
+    got_text, got_img = tensor_parallel_vectors(path, unpadded, pixels)
+    assert min_cos(got_text, reference(path, padded)) >= 0.99999
+    assert min_cos(got_img, reference_images(path, pixels)) >= 0.99999

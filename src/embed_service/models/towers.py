@@ -95,21 +95,6 @@ def image_size(config: dict[str, Any], cls: str) -> int:
     return int(tower(config, cls, "vision_config")["image_size"])
 
 
-def check_vision_shardable(config: dict[str, Any], cls: str, world_size: int) -> None:
-    """The vision tower's heads and MLP split like the text tower's (parallel.check_shardable reads those)."""
-    vision = tower(config, cls, "vision_config")
-    problems = [
-        f"vision {what} ({vision[key]})"
-        for what, key in (("query heads", "num_attention_heads"), ("intermediate size", "intermediate_size"))
-        if int(vision[key]) % world_size
-    ]
-    if problems:
-        raise ValueError(
-            f"cannot split the model over --tensor-parallel-size {world_size}: "
-            f"{' and '.join(problems)} must divide by {world_size}"
-        )
-
-
 def siglip_padding(path: Path, config: dict[str, Any], cls: str) -> tuple[int, int] | None:
     """(length, pad id) every SigLIP text is padded to before its text tower, as SiglipProcessor and the
     documented usage pad it (``padding="max_length"``: the model pools the last position, trained so); the
