@@ -29,6 +29,14 @@ from embed_service.images.preprocess import ImageProcessor
 TEXT, IMAGE = "text", "image"
 
 
+@dataclass(frozen=True)
+class ImageInput:
+    """One image among a request's inputs: a data URL or base64 string (the routes), or bytes, a path or a
+    PIL image (the Python API). A request's input list holds these beside its texts."""
+
+    source: Any
+
+
 class InputItemError(ValueError):
     """An input item of no known shape."""
 
@@ -126,4 +134,22 @@ class ImagePreparer:
         raise ImageError(f"{what}: an image must be a data URL, base64, bytes, a path or a PIL image")
 
 
-__all__ = ["IMAGE", "TEXT", "ImageError", "ImagePreparer", "ImageStats", "InputItemError", "classify"]
+def items(values: list[Any], what: str = "input") -> list[Any]:
+    """A request's input items -> texts (str) and ImageInput, in order (see `classify`)."""
+    out: list[Any] = []
+    for i, item in enumerate(values):
+        kind, value = classify(item, f"{what} {i}")
+        out.append(value if kind == TEXT else ImageInput(value))
+    return out
+
+
+__all__ = [
+    "IMAGE",
+    "TEXT",
+    "ImageError",
+    "ImageInput",
+    "ImagePreparer",
+    "ImageStats",
+    "InputItemError",
+    "classify",
+]

@@ -240,5 +240,13 @@ def image_processor(path: Path, architecture: str) -> Any:
     if not (path / "preprocessor_config.json").is_file():
         return None
     from embed_service.images.preprocess import ImageProcessor
+    from embed_service.models import towers
 
-    return ImageProcessor.from_folder(path, architecture)
+    processor = ImageProcessor.from_folder(path, architecture)
+    size = towers.image_size(read_json(path / "config.json"), architecture)
+    if processor.output_size != (size, size):
+        raise ValueError(
+            f"{path / 'preprocessor_config.json'}: images come out {processor.output_size[0]}x"
+            f"{processor.output_size[1]}, but the vision tower takes {size}x{size} (vision_config.image_size)"
+        )
+    return processor
