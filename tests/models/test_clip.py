@@ -250,3 +250,13 @@ def test_clip_tensor_parallel_2_equals_transformers(tmp_path, tokenizer_sources)
     got_text, got_img = tensor_parallel_vectors(path, ids, pixels)
     assert min_cos(got_text, reference_text(path, ids, pad=0)) >= 0.99999
     assert min_cos(got_img, reference_images(path, pixels)) >= 0.99999
+
+
+def test_processor_size_must_match_the_vision_tower(tmp_path, tokenizer_sources):
+    tok = load_tokenizer("wordpiece", tokenizer_sources)
+    text = dict(TEXT, vocab_size=len(tok), eos_token_id=tok.sep_token_id, pad_token_id=0)
+    config = T.CLIPConfig(text_config=text, vision_config=VISION, projection_dim=40)
+    crop = {**PREPROCESSOR, "crop_size": {"height": 48, "width": 48}}
+    path = build_two_tower(tmp_path / "clip", "CLIPModel", config, tok, crop)
+    with pytest.raises(ValueError, match="images come out 48x48, but the vision tower takes 32x32"):
+        load_spec(path)
