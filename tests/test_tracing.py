@@ -29,6 +29,7 @@ from embed_service.api.app import create_app
 from embed_service.config import Settings
 from embed_service.engine.engine import Engine
 from embed_service.models.spec import load_spec
+from embed_service.server import local_plan
 from tests.server import ServerProcess, free_port
 
 MODEL = "all-MiniLM-L6-v2"
@@ -44,7 +45,8 @@ def traced(default_model_path) -> Iterator[tuple[TestClient, InMemorySpanExporte
     try:
         # 256 tokens a batch: the model's max input length, so two long inputs never share a batch.
         settings = Settings(dtype="float32", max_batch_tokens=256)
-        app = create_app(settings, [Engine(settings, load_spec(default_model_path, None), [MODEL])])
+        engines = [Engine(settings, load_spec(default_model_path, None), [MODEL])]
+        app = create_app(settings, engines, local_plan(engines))
         with TestClient(app) as client:
             deadline = time.monotonic() + 120
             while client.get("/health").status_code != 200:
@@ -191,8 +193,10 @@ from embed_service.api.app import create_app
 from embed_service.config import Settings
 from embed_service.engine.engine import Engine
 from embed_service.models.spec import load_spec
+from embed_service.server import local_plan
 settings = Settings()
-app = create_app(settings, [Engine(settings, load_spec({str(default_model_path)!r}, None), ["m"])])
+engines = [Engine(settings, load_spec({str(default_model_path)!r}, None), ["m"])]
+app = create_app(settings, engines, local_plan(engines))
 r = TestClient(app).post("/tokenize", json={{"input": "hello"}})  # no lifespan: /tokenize needs no workers
 print(json.dumps({{
     "status": r.status_code,

@@ -2,7 +2,7 @@
 
 The same engine, batcher and worker processes the server runs, built from the same `Settings` by the same
 function (server.build_engine), so a vector equals the server's for the same inputs and options, bit for
-bit. Options are checked by the API's own request model (api/schemas.py) and refusals are the engine's
+bit. Options are checked by the API's own request models (requests/) and refusals are the engine's
 exceptions (engine/errors.py) with the messages the API sends in its 400s.
 
 The engine is asyncio code. An `Embedder` runs it on an event loop of its own, on a background thread
@@ -24,29 +24,33 @@ import multiprocessing
 import os
 import re
 import sys
-import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
-from pydantic import ValidationError
 
 from embed_service import __version__
-from embed_service.api import encodings
-from embed_service.api.errors import from_validation
-from embed_service.api.rerank import ClassifyRequest, RerankRequest
-from embed_service.api.routes import embed_options
-from embed_service.api.schemas import EmbeddingRequest, TokenizeRequest
 from embed_service.config import Settings
 from embed_service.engine.admission import input_chars
 from embed_service.engine.chunking import Chunks
-from embed_service.engine.engine import EmbedOptions, Engine, output_dimension
+from embed_service.engine.engine import Engine
 from embed_service.engine.errors import EngineError, InvalidInputError, OverloadedError
+from embed_service.engine.text import EmbedOptions
+from embed_service.engine_thread import EngineThread
 from embed_service.outputs import COLBERT, DENSE, SPARSE, Sparse
+from embed_service.requests import encodings
+from embed_service.requests.embed import (
+    EmbedCall,
+    EmbeddingRequest,
+    TokenizeRequest,
+    embed_call,
+    tokenize_options,
+)
+from embed_service.requests.score import ClassifyRequest, RerankRequest, classify_options
+from embed_service.requests.validation import validate
 
 T = TypeVar("T")
 
@@ -87,44 +91,6 @@ class Encoded:
     """Late chunking: per input its chunks, their vectors encoded as the embeddings are."""
 
 
-class _Loop:
-    """An event loop on a daemon thread, and the engine that lives on it. Kept apart from `Embedder` so
-    that a finalizer can close it without holding the Embedder alive."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="embed-service-engine", daemon=True)
-        self.thread.start()
-        self.engine: Engine | None = None
-        self.closed = False
-
-    def submit(self, coro: Awaitable[T]) -> Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
-
-    def run(self, coro: Awaitable[T]) -> T:
-        """Run `coro` on the engine's loop and wait; an interrupt (Ctrl-C) cancels it there."""
-        future = self.submit(coro)
-        try:
-            return future.result()
-        except BaseException:
-            future.cancel()
-            raise
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if self.engine is not None and threading.current_thread() is not self.thread:
-            try:
-                self.run(self.engine.close())
-            finally:
-                self.engine = None
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        if threading.current_thread() is not self.thread:
-            self.thread.join()
-            self.loop.close()
-
-
 class Embedder:
     """Embed texts in this process with embed-service's engine: ``Embedder(model).encode(texts)``.
 
@@ -157,7 +123,7 @@ class Embedder:
         if model is not None:  # None: the EMBED_MODEL variable, else the packaged model (a None would win)
             options["model"] = os.fspath(model)
         self.settings = Settings(**options)
-        self._loop = _Loop()
+        self._loop = EngineThread()
         self._finalizer = weakref.finalize(self, self._loop.close)
         try:
             self._loop.engine = self._loop.run(_start(self.settings))
@@ -292,10 +258,8 @@ class Embedder:
     ) -> list[list[int]]:
         """The token ids `encode` would embed for each text, after prompting and truncation (as /tokenize)."""
         options = {k: v for k, v in locals().items() if k not in ("self", "inputs")}
-        body = _validate(TokenizeRequest, {"input": _plain(inputs), **_given(options)})
-        opts = EmbedOptions(
-            body.truncate, body.truncation_direction, prompt_name=body.prompt_name, prompt=body.prompt
-        )
+        body = validate(TokenizeRequest, {"input": _plain(inputs), **_given(options)})
+        opts = tokenize_options(body)
         engine = self._engine_or_raise()
 
         async def run() -> list[list[int]]:
@@ -325,20 +289,19 @@ class Embedder:
         given = _given(
             {"truncate": truncate, "max_tokens_per_doc": max_tokens_per_doc, "instruction": instruction}
         )
-        body = _validate(RerankRequest, {"query": query, "documents": _plain(documents), **given})
-        texts = [d if isinstance(d, str) else d.text for d in body.documents]
+        body = validate(RerankRequest, {"query": query, "documents": _plain(documents), **given})
         engine = self._engine_or_raise()
         result = self._loop.run(
-            engine.rerank(body.query, texts, body.truncate, body.max_tokens_per_doc, body.instruction)
+            engine.rerank(body.query, body.texts, body.truncate, body.max_tokens_per_doc, body.instruction)
         )
         return result.scores[:, 0].copy()
 
     def classify(self, texts: str | Sequence[str], *, truncate: bool | None = None) -> np.ndarray:
         """Label probabilities per text, ((n, labels) float32; (labels,) for one string), in the order of
         `labels`: what ``/classify`` answers and the transformers text-classification pipeline gives."""
-        body = _validate(ClassifyRequest, {"input": _plain(texts), **_given({"truncate": truncate})})
+        body = validate(ClassifyRequest, {"input": _plain(texts), **_given({"truncate": truncate})})
         engine = self._engine_or_raise()
-        result = self._loop.run(engine.classify(body.input, EmbedOptions(body.truncate)))
+        result = self._loop.run(engine.classify(body.input, classify_options(body)))
         return result.scores[0] if isinstance(texts, str) else result.scores
 
     @property
@@ -349,20 +312,15 @@ class Embedder:
 
     # --- the request ----------------------------------------------------------------------------------
 
-    def _request(self, inputs: Any, options: dict[str, Any]) -> _Request:
+    def _request(self, inputs: Any, options: dict[str, Any]) -> EmbedCall:
+        """The request checked as the API checks it, before any work (requests/embed.py)."""
         engine = self._engine_or_raise()
         options = _given(
             {k: v for k, v in options.items() if k not in ("self", "inputs", "show_progress_bar")}
         )
-        body = _validate(EmbeddingRequest, {"input": _plain(inputs), **options})
-        opts = embed_options(body)
-        kinds = engine.output_request(opts.outputs).kinds  # a kind the model lacks: refused before any work
-        encodings.check_applies(kinds, body.embed_dtype, body.dimensions, body.embed_ranges)
-        dimension = output_dimension(body.dimensions, engine.spec.dimension)  # before ranges are sized
-        ranges = encodings.check_ranges(body.embed_dtype, body.embed_ranges, dimension)
-        return _Request(body, opts, ranges)
+        return embed_call(validate(EmbeddingRequest, {"input": _plain(inputs), **options}), engine)
 
-    async def _embed(self, request: _Request, progress: bool) -> Encoded:
+    async def _embed(self, request: EmbedCall, progress: bool) -> Encoded:
         engine = self._engine_or_raise()
         inputs = request.body.input
         bar = _progress_bar(len(inputs)) if progress else None
@@ -400,13 +358,6 @@ class Embedder:
             if results[0].chunks is not None
             else None,
         )
-
-
-@dataclass
-class _Request:
-    body: EmbeddingRequest
-    opts: EmbedOptions
-    ranges: np.ndarray | None
 
 
 async def _start(settings: Settings) -> Engine:
@@ -458,16 +409,7 @@ def _single(inputs: Any) -> bool:
     return bool(inputs) and isinstance(inputs, (list, tuple)) and isinstance(inputs[0], (int, np.integer))
 
 
-def _validate(schema: Any, data: dict[str, Any]) -> Any:
-    """The API's request model, applied to keyword arguments; its 400 message as an InvalidInputError."""
-    try:
-        return schema.model_validate(data)
-    except ValidationError as exc:
-        err = from_validation(exc)
-        raise InvalidInputError(err.message, err.param) from None
-
-
-def _shape(request: _Request, encoded: Encoded, single: bool) -> Any:
+def _shape(request: EmbedCall, encoded: Encoded, single: bool) -> Any:
     if encoded.chunks is not None and request.opts.chunking and request.opts.chunking.mode == "late":
         return encoded.chunks[0] if single else encoded.chunks
     if request.body.outputs is None:

@@ -1,16 +1,17 @@
 """`embed-service encode INPUT OUTPUT`: embed a file of texts with an `Embedder`, no server in the loop.
 
-In: JSON lines, CSV, Parquet or plain text (one text a line), read in chunks of ``--chunk-rows`` rows
-(offline_input.py); the text from ``--text-field`` and, with ``--id-field``, an id kept beside each vector,
-one type for the whole job (else the row's index, from 0). Out: Parquet (an id column and an ``embedding`` column of fixed-size lists) or ``.npy`` (the
-(n, D) array, and the ids in ``<stem>.ids.npy``).
+In: JSON lines, CSV, Parquet or plain text (one text a line), read in blocks of ``--chunk-rows`` rows
+(offline_input.py; the flag and docs/offline.md say chunk, a word the code keeps for a long text's
+windows); the text from ``--text-field`` and, with ``--id-field``, an id kept beside each vector, one type
+for the whole job (else the row's index, from 0). Out: Parquet (an id column and an ``embedding`` column
+of fixed-size lists) or ``.npy`` (the (n, D) array, and the ids in ``<stem>.ids.npy``).
 
-Bounded memory: a few chunks are held at a time (read, in the engine, being written), whatever the size of
-the input. The chunks go to the engine as bulk requests (engine/admission.py), two in flight so that the
+Bounded memory: a few blocks are held at a time (read, in the engine, being written), whatever the size of
+the input. The blocks go to the engine as bulk requests (engine/admission.py), two in flight so that the
 workers never wait for the reader or the writer.
 
-Resumable: each chunk is written as its own Parquet file in ``OUTPUT.parts/`` (to a temporary name, then
-renamed: a kill mid-write leaves a temporary file, never half a chunk). A rerun with the same input and
+Resumable: each block is written as its own Parquet file in ``OUTPUT.parts/`` (to a temporary name, then
+renamed: a kill mid-write leaves a temporary file, never half a block). A rerun with the same input and
 options counts the rows of the parts there, skips that many input rows and goes on; when every row is in,
 the parts are joined into OUTPUT (one part at a time, to a temporary name, then renamed) and removed.
 ``OUTPUT.parts/job.json`` records the input (its path, size and mtime), the options, the settings that
@@ -43,7 +44,7 @@ from embed_service.embedder import Embedder
 from embed_service.engine.errors import EngineError
 from embed_service.offline_input import (
     FORMATS,
-    Chunk,
+    Block,
     JobError,
     OtherJobError,
     Reader,
@@ -51,10 +52,11 @@ from embed_service.offline_input import (
     input_format,
     pyarrow,
 )
+from embed_service.requests.encodings import EMBED_DTYPES
 
 __all__ = ["JobError", "Parts", "add_arguments", "ids_file", "run"]
 
-CHUNKS_IN_FLIGHT = 2
+BLOCKS_IN_FLIGHT = 2
 ROW_COLUMN = "row"  # the id column when the input names none: the row's index in the input, from 0
 EMBEDDING_COLUMN = "embedding"
 DIGEST_KEY = b"embed_service.rows_sha256"  # a part's metadata: the hash of the input's rows up to its last
@@ -69,7 +71,7 @@ _INPUT_INDEX = re.compile(r"^input (\d+)\b")
 
 
 class Parts:
-    """The chunks written so far, one Parquet file each, in OUTPUT.parts/ (see the module docstring).
+    """The blocks written so far, one Parquet file each, in OUTPUT.parts/ (see the module docstring).
 
     `claim(job)` records the job in job.json, or checks that the one recorded is the same (a JobError names
     what differs); `check_engine` does the same, once the engine is up, for what it resolved."""
@@ -114,25 +116,25 @@ class Parts:
     def _save(self) -> None:
         _atomic_write(self.record, json.dumps(self.job, indent=1, sort_keys=True).encode())
 
-    def write(self, chunk: Chunk, vectors: np.ndarray, id_name: str) -> None:
+    def write(self, block: Block, vectors: np.ndarray, id_name: str) -> None:
         pa = pyarrow()
         import pyarrow.parquet as pq
 
         ids = (
-            chunk.ids
-            if chunk.ids is not None
-            else pa.array(range(chunk.first, chunk.first + len(chunk.texts)), pa.int64())
+            block.ids
+            if block.ids is not None
+            else pa.array(range(block.first, block.first + len(block.texts)), pa.int64())
         )
         flat = pa.array(np.ascontiguousarray(vectors).reshape(-1))
         table = pa.table(
             {id_name: ids, EMBEDDING_COLUMN: pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1])}
-        ).replace_schema_metadata({DIGEST_KEY: chunk.digest.encode()})
-        path = self.dir / f"part-{chunk.first:012d}.parquet"
+        ).replace_schema_metadata({DIGEST_KEY: block.digest.encode()})
+        path = self.dir / f"part-{block.first:012d}.parquet"
         tmp = path.with_name(path.name + ".tmp")
         pq.write_table(table, tmp)
         _fsync_replace(tmp, path)
         self.files.append(path)
-        self.rows += len(chunk.texts)
+        self.rows += len(block.texts)
 
     def left_behind(self) -> str:
         """What a failed job leaves, for its last line: the parts a rerun resumes from, or nothing."""
@@ -266,34 +268,34 @@ class Progress:
         self.bar.close()
 
 
-async def _embed_chunks(
+async def _embed_blocks(
     source: Path,
     embedder: Embedder,
-    chunks: Iterator[Chunk],
+    blocks: Iterator[Block],
     parts: Parts,
     options: dict[str, Any],
     id_name: str,
     progress: Progress,
 ) -> None:
-    pending: deque[tuple[Chunk, asyncio.Future]] = deque()
+    pending: deque[tuple[Block, asyncio.Future]] = deque()
 
     async def write_oldest() -> None:
-        chunk, future = pending.popleft()
+        block, future = pending.popleft()
         try:
             result = await future
-        except EngineError as exc:  # the engine names the input by its index in the chunk: name the row
-            message = _INPUT_INDEX.sub(lambda m: chunk.where(int(m.group(1))), str(exc))
+        except EngineError as exc:  # the engine names the input by its index in the block: name the row
+            message = _INPUT_INDEX.sub(lambda m: block.where(int(m.group(1))), str(exc))
             raise JobError(f"{source}: {message}") from None
-        parts.write(chunk, result.embeddings, id_name)
-        progress.update(len(chunk.texts), result.prompt_tokens)
+        parts.write(block, result.embeddings, id_name)
+        progress.update(len(block.texts), result.prompt_tokens)
 
     try:
         try:
-            for chunk in chunks:
-                pending.append((chunk, asyncio.ensure_future(embedder.aembed(chunk.texts, **options))))
-                if len(pending) >= CHUNKS_IN_FLIGHT:
+            for block in blocks:
+                pending.append((block, asyncio.ensure_future(embedder.aembed(block.texts, **options))))
+                if len(pending) >= BLOCKS_IN_FLIGHT:
                     await write_oldest()
-        except JobError:  # a bad row ahead: the chunks before it are embedded already, keep them
+        except JobError:  # a bad row ahead: the blocks before it are embedded already, keep them
             while pending:
                 await write_oldest()
             raise
@@ -388,9 +390,9 @@ def run(
             parts.check_engine(engine_record(embedder))
             progress = Progress(total, parts.rows, args.progress)
             try:
-                chunks = reader.chunks(expected=parts.digest)
+                blocks = reader.blocks(expected=parts.digest)
                 id_name = args.id_field or ROW_COLUMN
-                asyncio.run(_embed_chunks(source, embedder, chunks, parts, options, id_name, progress))
+                asyncio.run(_embed_blocks(source, embedder, blocks, parts, options, id_name, progress))
             finally:
                 progress.close()
         finally:
@@ -444,8 +446,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="cut texts past the max input length (default: on); --no-truncate: such a text stops the job",
     )
-    from embed_service.api.encodings import EMBED_DTYPES
-
     parser.add_argument(
         "--embed-dtype", choices=EMBED_DTYPES, default="float32", help="the stored type of each value"
     )

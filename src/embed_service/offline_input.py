@@ -1,12 +1,12 @@
-"""The input of `embed-service encode` (offline.py): its rows read in chunks, each row named as a user finds it,
+"""The input of `embed-service encode` (offline.py): its rows read in blocks, each row named as a user finds it,
 the ids given one type for the whole job, and a running hash of what was read, so that a resumed job can
 tell whether the rows it skips are the rows it embedded.
 
 - Rows are named by their line (from 1, blank lines counted: what an editor or ``sed -n Np`` shows) in text
   and JSON-lines files, and by their row from 1 (the header not counted) in CSV and Parquet files. Only the
   default id column, ``row``, counts rows from 0, as array indices do.
-- An id column has one Arrow type per job: the first chunk's (or, when resuming, the parts'); a row whose id
-  does not convert to it, or has none, stops the job at its chunk, before that chunk is embedded.
+- An id column has one Arrow type per job: the first block's (or, when resuming, the parts'); a row whose id
+  does not convert to it, or has none, stops the job at its block, before that block is embedded.
 - The hash (SHA-256) covers each row's text and id in order; a part records it as of its last row.
 """
 
@@ -49,15 +49,15 @@ def pyarrow() -> Any:
 
 
 @dataclass
-class Chunk:
+class Block:
     first: int  # the index of texts[0] among the input's rows (from 0, blank lines not rows)
     texts: list[str]
     ids: Any  # a pyarrow Array of the job's id type, or None: the row indices are the ids
-    digest: str  # the hash of every row read up to this chunk's last, hex
+    digest: str  # the hash of every row read up to this block's last, hex
     lines: list[int] | None  # each row's line, for text and JSON lines
 
     def where(self, i: int) -> str:
-        """Row `i` of the chunk, as the user finds it in the input."""
+        """Row `i` of the block, as the user finds it in the input."""
         return f"line {self.lines[i]}" if self.lines is not None else f"row {self.first + i + 1}"
 
 
@@ -166,12 +166,12 @@ def _hash_rows(h: Any, texts: list[Any], ids: list[Any] | None) -> None:
 
 
 class Reader:
-    """The input from row `skip` on, as chunks of exactly `chunk_rows` rows (the last may be shorter): chunk
+    """The input from row `skip` on, as blocks of exactly `chunk_rows` rows (the last may be shorter): block
     boundaries do not depend on how the reader batches, so the parts of a rerun line up.
 
     The `skip` rows a resumed job already embedded are read again, only to hash them: `skipped_digest` is
-    their hash, which `chunks` compares with the one the parts recorded. `id_type`: the job's id type (the
-    parts', when resuming), else taken from the first chunk. `then`: how the input looked when the job
+    their hash, which `blocks` compares with the one the parts recorded. `id_type`: the job's id type (the
+    parts', when resuming), else taken from the first block. `then`: how the input looked when the job
     began, for the refusal."""
 
     def __init__(
@@ -190,8 +190,8 @@ class Reader:
         self._hash = hashlib.sha256()
         self.skipped_digest: str | None = None if skip else self._hash.hexdigest()
 
-    def chunks(self, expected: str | None = None) -> Iterator[Chunk]:
-        """The chunks; `expected`: the hash the skipped rows must have (else JobError before any chunk)."""
+    def blocks(self, expected: str | None = None) -> Iterator[Block]:
+        """The blocks; `expected`: the hash the skipped rows must have (else JobError before any block)."""
         texts: list[Any] = []
         ids: list[Any] = []
         lines: list[int] = []
@@ -213,13 +213,13 @@ class Reader:
             lines += (batch_lines or [])[start:]
             while len(texts) >= self.chunk_rows:
                 k = self.chunk_rows
-                yield self._chunk(row - len(texts), texts[:k], ids[:k], lines[:k])
+                yield self._block(row - len(texts), texts[:k], ids[:k], lines[:k])
                 texts, ids, lines = texts[k:], ids[k:], lines[k:]
         if self.skipped_digest is None:  # the input is shorter than what was embedded
             self.skipped_digest = self._hash.hexdigest()
             self.check_skipped(expected)
         if texts:
-            yield self._chunk(row - len(texts), texts, ids, lines)
+            yield self._block(row - len(texts), texts, ids, lines)
 
     def check_skipped(self, expected: str | None) -> None:
         if expected is not None and self.skipped_digest != expected:
@@ -228,25 +228,25 @@ class Reader:
                 "the ones embedded; --overwrite to start again"
             )
 
-    def _chunk(self, first: int, texts: list[Any], ids: list[Any], lines: list[int]) -> Chunk:
-        chunk = Chunk(first, texts, None, "", lines if self.fmt in LINE_FORMATS else None)
+    def _block(self, first: int, texts: list[Any], ids: list[Any], lines: list[int]) -> Block:
+        block = Block(first, texts, None, "", lines if self.fmt in LINE_FORMATS else None)
         for i, text in enumerate(texts):
             if not isinstance(text, str) or not text:
                 what = "missing" if text is None else "empty" if text == "" else f"{_kind(text)}, not text"
-                raise JobError(f"{self.path}: {chunk.where(i)}: the {self.text_field!r} field is {what}")
+                raise JobError(f"{self.path}: {block.where(i)}: the {self.text_field!r} field is {what}")
         if self.id_field is not None:
-            chunk.ids = self._ids(chunk, ids)
+            block.ids = self._ids(block, ids)
         _hash_rows(self._hash, texts, ids if self.id_field is not None else None)
-        chunk.digest = self._hash.hexdigest()
-        return chunk
+        block.digest = self._hash.hexdigest()
+        return block
 
-    def _ids(self, chunk: Chunk, ids: list[Any]) -> Any:
-        """The chunk's ids as an Arrow array of the job's id type (set here from the first chunk)."""
+    def _ids(self, block: Block, ids: list[Any]) -> Any:
+        """The block's ids as an Arrow array of the job's id type (set here from the first block)."""
         pa = pyarrow()
         field = self.id_field
         for i, value in enumerate(ids):
             if value is None:
-                raise JobError(f"{self.path}: {chunk.where(i)}: the {field!r} field is missing")
+                raise JobError(f"{self.path}: {block.where(i)}: the {field!r} field is missing")
         errors = (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError)
         want = self.id_type if self.id_type is not None else pa.array(ids[:1]).type
         try:
@@ -257,7 +257,7 @@ class Reader:
                     pa.array([value], type=want)
                 except errors:
                     raise JobError(
-                        f"{self.path}: {chunk.where(i)}: the {field!r} field is {_kind(value)} ({value!r}), "
+                        f"{self.path}: {block.where(i)}: the {field!r} field is {_kind(value)} ({value!r}), "
                         f"where the ids before it are {_arrow_kind(want)}: one id type per job"
                     ) from None
             raise

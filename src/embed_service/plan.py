@@ -35,7 +35,7 @@ from typing import Any
 
 GIB = 1 << 30
 GPU_WEIGHT_SHARE = 0.5  # of a shared GPU's memory, for the checkpoints of the replicas on it
-TOKENIZE_THREADS = 2  # per model, in each process that tokenizes (engine.py's TextSide)
+TOKENIZE_THREADS = 2  # per model, in each process that tokenizes (engine/text.py's TextSide)
 
 
 class PlanError(ValueError):

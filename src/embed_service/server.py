@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import socket
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,6 +152,12 @@ def build_engines(config: ServeConfig) -> tuple[list[Engine], Plan]:
             log.debug("building the engine failed", exc_info=True)
             raise StartupError(f"cannot serve {m.spec.path}: {type(exc).__name__}: {exc}") from None
     return engines, plan
+
+
+def local_plan(engines: Sequence[Engine]) -> Plan:
+    """The resource plan of engines built one by one (each with its own share): their shares, on this
+    machine."""
+    return Plan(this_machine(any(e.device == "cuda" for e in engines)), tuple(e.plan for e in engines))
 
 
 def build_engine(settings: Settings) -> Engine:

@@ -18,6 +18,7 @@ from embed_service.api.app import create_app
 from embed_service.config import Settings
 from embed_service.engine.engine import Engine
 from embed_service.models.spec import load_spec
+from embed_service.server import local_plan
 from tests.server import ServerProcess, wait_until, workers_held
 
 GENERATED = re.compile(r"[0-9a-f]{32}")
@@ -180,7 +181,8 @@ def test_client_that_disconnects_gets_one_line_and_no_traceback(server):
 
 def test_unhandled_error_is_a_500_with_the_request_id_and_one_logged_traceback(default_model_path, caplog):
     settings = Settings(dtype="float32")
-    app = create_app(settings, [Engine(settings, load_spec(default_model_path, None), ["m"])])
+    engines = [Engine(settings, load_spec(default_model_path, None), ["m"])]
+    app = create_app(settings, engines, local_plan(engines))
 
     @app.get("/boom")
     async def boom() -> None:

@@ -67,17 +67,9 @@ class ServerState:
             e.begin_drain()
 
 
-def create_app(
-    settings: ServerSettings, engines: Sequence[ServingEngine], plan: Plan | None = None
-) -> FastAPI:
-    """The app serving `engines` (one per model); `plan`: the resource plan they were built from (default:
-    their own shares, on this machine)."""
-    if plan is None:
-        # Not at the top: workers.device imports torch, which an HTTP front end (given its engine
-        # process's plan) must not load; only a caller that gives no plan pays for it.
-        from embed_service.workers.device import this_machine
-
-        plan = Plan(this_machine(any(e.device == "cuda" for e in engines)), tuple(e.plan for e in engines))
+def create_app(settings: ServerSettings, engines: Sequence[ServingEngine], plan: Plan) -> FastAPI:
+    """The app serving `engines` (one per model); `plan`: the resource plan they were built from (/info
+    shows it; server.local_plan for engines built one by one)."""
     state = ServerState(settings, Models(list(engines)), load_api_keys(settings), plan)
 
     def fatal(reason: str) -> None:

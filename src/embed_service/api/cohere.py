@@ -7,7 +7,7 @@ What maps to what (docs/api.md, "Cohere-compatible embed"):
   PROMPT_NAMES the model has; a model without one embeds as /v1/embeddings does without a prompt field
   (its default prompt, if it names one).
 - ``truncate``: END (Cohere's default) cuts the end, START the start, NONE refuses a long input.
-- ``embedding_types``: float, base64 (float32 bytes) and the quantized types of api/encodings.py.
+- ``embedding_types``: float, base64 (float32 bytes) and the quantized types of requests/encodings.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from embed_service.api import encodings
 from embed_service.api.access_log import note
 from embed_service.api.errors import invalid_request
 from embed_service.api.openapi import errors, json_body, ok
@@ -28,6 +27,7 @@ from embed_service.engine.errors import InvalidInputError
 from embed_service.engine.protocol import ServingEngine
 from embed_service.engine.text import EmbedOptions, output_dimension
 from embed_service.outputs import DENSE_ONLY
+from embed_service.requests import encodings
 
 router = APIRouter()
 

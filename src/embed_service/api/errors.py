@@ -23,6 +23,7 @@ from embed_service.engine.errors import (
     NotReadyError,
     OverloadedError,
 )
+from embed_service.requests.validation import invalid_input
 
 log = logging.getLogger(__name__)
 
@@ -114,12 +115,8 @@ def from_engine(exc: EngineError) -> APIError:
 
 
 def from_validation(exc: ValidationError | RequestValidationError) -> APIError:
-    err = exc.errors()[0]
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-    param = loc[0] if loc else None
-    msg = err.get("msg", "invalid request").removeprefix("Value error, ")
-    where = ".".join(loc)
-    return invalid_request(f"{where}: {msg}" if where else msg, param)
+    err = invalid_input(exc.errors())
+    return invalid_request(str(err), err.param)
 
 
 def error_body(err: APIError) -> bytes:

@@ -12,13 +12,8 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
-from embed_service.api.schemas import (
-    CohereEmbedRequest,
-    EmbeddingRequest,
-    ErrorResponse,
-    SparseEmbedRequest,
-    TokenizeRequest,
-)
+from embed_service.api.schemas import CohereEmbedRequest, ErrorResponse
+from embed_service.requests.embed import EmbeddingRequest, SparseEmbedRequest, TokenizeRequest
 
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     EmbeddingRequest,
@@ -97,7 +92,7 @@ def install(
     request_models: tuple[type[BaseModel], ...] = (),
 ) -> None:
     """Make `app.openapi()` describe the whole API; `auth` is the dependency of `routers`' routes that
-    checks the key; `request_models`: the bodies of routes defined outside api/schemas.py."""
+    checks the key; `request_models`: the bodies of the other routes (api/rerank.py's)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:

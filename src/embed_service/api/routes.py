@@ -18,7 +18,6 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import PlainTextResponse, Response
 
 from embed_service import __version__, metrics
-from embed_service.api import encodings
 from embed_service.api.access_log import note
 from embed_service.api.errors import (
     RETRY_AFTER,
@@ -33,21 +32,26 @@ from embed_service.api.errors import (
 )
 from embed_service.api.openapi import errors, json_body, ok, unready
 from embed_service.api.schemas import (
-    EmbeddingRequest,
     EmbeddingResponse,
     Health,
     Info,
     Live,
     ModelList,
-    SparseEmbedRequest,
     SparseEmbedResponse,
-    TokenizeRequest,
     TokenizeResponse,
 )
-from embed_service.engine.chunking import ChunkOptions, Chunks
-from embed_service.engine.errors import InvalidInputError
+from embed_service.engine.chunking import Chunks
 from embed_service.engine.protocol import ServingEngine
-from embed_service.engine.text import EmbedOptions, EmbedResult, output_dimension
+from embed_service.engine.text import EmbedResult
+from embed_service.requests import encodings
+from embed_service.requests.embed import (
+    EmbeddingRequest,
+    SparseEmbedRequest,
+    TokenizeRequest,
+    embed_call,
+    sparse_options,
+    tokenize_options,
+)
 
 router = APIRouter()
 T = TypeVar("T")
@@ -115,13 +119,13 @@ def is_json(content_type: str | None) -> bool:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
+    received, size = [], 0
+    async for data in request.stream():
+        size += len(data)
         if size > limit:
             raise too_large(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
+        received.append(data)
+    return b"".join(received)
 
 
 async def read_json(request: Request, schema: type[M]) -> M:
@@ -187,43 +191,6 @@ def serving(request: Request, name: str | None) -> ServingEngine:
     return engine
 
 
-def embed_options(body: EmbeddingRequest) -> EmbedOptions:
-    """The engine's options for an embeddings request, for this route and the Python API."""
-    return EmbedOptions(
-        body.truncate,
-        body.truncation_direction,
-        body.normalize,
-        body.dimensions,
-        body.prompt_name,
-        body.prompt,
-        outputs=frozenset(body.outputs) if body.outputs else None,  # None: the model's default
-        max_active_dims=body.max_active_dims,
-        sparse_threshold=body.sparse_threshold,
-        chunking=chunk_options(body),
-        cache=body.cache,
-    )
-
-
-def chunk_options(body: EmbeddingRequest) -> ChunkOptions | None:
-    """The engine's chunking options: windows of long inputs (engine/chunking.py) or late chunking
-    (engine/late.py: `chunking.mode` "late", or Jina's `late_chunking`)."""
-    c = body.chunking
-    if body.late_chunking:
-        if c is not None:
-            raise invalid_request(
-                "late_chunking: true and chunking are two ways to ask; send one", "chunking"
-            )
-        return ChunkOptions(True, mode="late", joined=True)
-    if c is None:
-        return None
-    spans = None if c.spans is None else tuple((s, e) for s, e in c.spans)
-    if c.mode == "window" and (spans is not None or c.size is not None or c.context_overlap is not None):
-        raise InvalidInputError(
-            'chunking.spans, size and context_overlap apply to "mode": "late"', "chunking.mode"
-        )
-    return ChunkOptions(c.enabled, c.overlap, c.return_chunks, c.mode, spans, c.size, c.context_overlap)
-
-
 @router.post(
     "/v1/embeddings",
     summary="Embed texts or token ids (OpenAI embeddings API)",
@@ -236,15 +203,12 @@ async def embeddings(request: Request, _: Authorized) -> Response:
     note(request, inputs=len(body.input))
     engine = serving(request, body.model)
     # Admission (the client batch limit, the character budgets, capacity) is the engine's, for every route.
-    opts = embed_options(body)
     # Checked before anything is sized by it: the encodings' ranges, then the response.
-    dimension = output_dimension(body.dimensions, engine.spec.dimension)
-    kinds = engine.output_request(opts.outputs).kinds
-    encodings.check_applies(kinds, body.embed_dtype, body.dimensions, body.embed_ranges)
-    ranges = encodings.check_ranges(body.embed_dtype, body.embed_ranges, dimension)
-    result = await until_disconnect(request, engine.embed(body.input, opts))
+    call = embed_call(body, engine)
+    ranges = call.ranges
+    result = await until_disconnect(request, engine.embed(body.input, call.opts))
     note(request, tokens=result.prompt_tokens)
-    dense = "dense" in kinds
+    dense = "dense" in call.kinds
 
     def answer() -> dict[str, Any]:
         b64 = body.encoding_format == "base64"
@@ -284,16 +248,7 @@ async def embed_sparse(request: Request, _: Authorized) -> Response:
     body = await read_json(request, SparseEmbedRequest)
     note(request, inputs=len(body.inputs))
     engine = serving(request, body.model)
-    opts = EmbedOptions(
-        body.truncate,
-        body.truncation_direction,
-        prompt_name=body.prompt_name,
-        prompt=body.prompt,
-        outputs=frozenset({"sparse"}),
-        max_active_dims=body.max_active_dims,
-        sparse_threshold=body.sparse_threshold,
-    )
-    result = await until_disconnect(request, engine.embed(body.inputs, opts))
+    result = await until_disconnect(request, engine.embed(body.inputs, sparse_options(body)))
     note(request, tokens=result.prompt_tokens)
     # The weights stay numpy float32 scalars: orjson writes each as the shortest text that reads back as
     # the same float32, as /v1/embeddings writes them (a Python float would be the double's 17 digits).
@@ -316,10 +271,7 @@ async def tokenize(request: Request, _: Authorized) -> Response:
     body = await read_json(request, TokenizeRequest)
     note(request, inputs=len(body.input))
     engine = serving(request, body.model)
-    opts = EmbedOptions(
-        body.truncate, body.truncation_direction, prompt_name=body.prompt_name, prompt=body.prompt
-    )
-    ids = await until_disconnect(request, engine.tokenize(body.input, opts))
+    ids = await until_disconnect(request, engine.tokenize(body.input, tokenize_options(body)))
     note(request, tokens=sum(len(t) for t in ids))
     return json_response(
         {

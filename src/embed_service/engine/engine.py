@@ -1,7 +1,9 @@
 """One engine per served model: tokenize, admit, batch, run, pool, finish.
 
 The engine owns the tokenizer, the batcher and the worker group. It never sees HTTP; its refusals are the
-exceptions in engine/errors.py.
+exceptions in engine/errors.py. This module builds it and runs its life cycle (start, drain, close, a
+replica lost) and /info; what each request kind does is in engine/serving/ (embed.py, windowed.py,
+score.py, over base.py).
 """
 
 from __future__ import annotations
@@ -10,54 +12,25 @@ import asyncio
 import dataclasses
 import functools
 import logging
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
 
-from embed_service import metrics, observability
+from embed_service import metrics
 from embed_service.batching.batcher import Batcher
-from embed_service.batching.sequence import RequestState, Sequence
 from embed_service.cache import output_cache
 from embed_service.config import ModelSettings, Settings
-from embed_service.engine import chunking, invariance_check, late
-from embed_service.engine.admission import Admission, Permit, check_request, run_piecewise
-from embed_service.engine.errors import InvalidInputError, NotReadyError
+from embed_service.engine import invariance_check
+from embed_service.engine.admission import Admission
+from embed_service.engine.errors import NotReadyError
 from embed_service.engine.replicas import Replicas
-from embed_service.engine.scoring import (
-    ChatPairTokenizer,
-    PairTokenizer,
-    PromptTokenizer,
-    ScoreResult,
-    activate,
-    check_pairs,
-    pair_tokenizer,
-)
-from embed_service.engine.text import (  # noqa: F401 (EmbedOptions, Inputs, TextSide: the engine's API)
-    EmbedOptions,
-    EmbedResult,
-    Inputs,
-    TextSide,
-    finish,
-    output_dimension,
-)
-from embed_service.engine.tokenizer import (
-    InputTooLongError,
-    PromptError,
-    Tokenizer,
-)
-from embed_service.models.spec import ModelSpec, ScoreSpec
-from embed_service.outputs import (
-    COLBERT,
-    DENSE,
-    DENSE_ONLY,
-    KINDS,
-    SCORE,
-    SPARSE,
-    OutputRequest,
-    SequenceOutput,
-    Sparse,
-)
+from embed_service.engine.serving.embed import EmbedServing
+from embed_service.engine.serving.score import ScoreServing
+from embed_service.engine.serving.windowed import WindowedServing
+from embed_service.engine.text import EmbedOptions, EmbedResult, Inputs
+from embed_service.engine.tokenizer import Tokenizer
+from embed_service.models.spec import ModelSpec
+from embed_service.outputs import DENSE, KINDS, OutputRequest, SequenceOutput
 from embed_service.parallel import check_shardable
 from embed_service.plan import ModelPlan, ModelRequest, copies_fit, plan_resources
 from embed_service.workers.device import available_memory, resolve_device, resolve_dtype, this_machine
@@ -92,61 +65,7 @@ def model_request(settings: ModelSettings, spec: ModelSpec, name: str, device: s
 DEFAULT_BATCH_TOKENS = 4096
 
 
-class _Run:
-    """One request's sequences on the batcher, from its permit to its answer: what embed, chunked embed and
-    scoring share. A `with` block: leaving it on an error or a cancel drops what is still queued of the
-    request (the client went away, or a batch failed), and the permit is closed either way."""
-
-    def __init__(self, engine: Engine, permit: Permit, use_cache: bool = True):
-        self.engine = engine
-        self.permit = permit
-        self.cache = engine.cache if use_cache else None
-        self.state = RequestState()
-        self.loop = asyncio.get_running_loop()
-        self.tokens = 0
-        self.submitted: list[Sequence] = []  # for the request's trace spans
-
-    def __enter__(self) -> _Run:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is not None:
-            self.state.cancelled = True
-        self.permit.close()
-
-    def submit(
-        self, ids: list[list[int]], outputs: OutputRequest | list[OutputRequest] = DENSE_ONLY
-    ) -> list[asyncio.Future]:
-        """Queue a piece's sequences (`outputs`: for all, or one per sequence); their futures."""
-        engine = self.engine
-        if engine.state == "failed":  # a drain still finishes what it admitted; a dead worker cannot
-            engine._check_ready()
-        assert engine.batcher is not None
-        each = outputs if isinstance(outputs, list) else [outputs] * len(ids)
-        self.tokens += sum(map(len, ids))
-        if self.cache is not None:  # hits answered now, the misses queued below (cache.py)
-            return self.cache.submit(ids, each, self._queue)
-        return self._queue(ids, each)
-
-    def _queue(self, ids: list[list[int]], each: list[OutputRequest]) -> list[asyncio.Future]:
-        engine = self.engine
-        assert engine.batcher is not None
-        seqs = [Sequence(i, self.loop.create_future(), self.state, o) for i, o in zip(ids, each, strict=True)]
-        self.submitted.extend(seqs)
-        # Interactive requests (admitted into the reserve) of few tokens take the priority lane;
-        # see engine/admission.py and batching/policy.py.
-        engine.batcher.submit(
-            seqs, priority=self.permit.interactive and self.tokens <= engine.settings.priority_max_tokens
-        )
-        return [seq.future for seq in seqs]
-
-    def answered(self) -> None:
-        """Every sequence has its result: the request's trace spans and its token count."""
-        observability.trace_batches(self.submitted)
-        metrics.INPUT_TOKENS.labels(self.engine.name).inc(self.tokens)
-
-
-class Engine(TextSide):
+class Engine(EmbedServing, WindowedServing, ScoreServing):
     """One served model. `plan`: its share of the machine (plan.py) when the server serves several; by default
     the model has the machine to itself."""
 
@@ -329,20 +248,6 @@ class Engine(TextSide):
     ) -> list[SequenceOutput]:
         return self.replica_set.compute(replica, ids, lengths, requests)
 
-    def _sparse(self, s: Sparse, opts: EmbedOptions) -> Sparse:
-        """bge-m3's lexical weights without the special tokens (a SPLADE vector keeps every vocabulary
-        entry, as sentence-transformers does); then the request's threshold and top-k."""
-        if self.spec.splade is None:
-            keep = ~np.isin(s.indices, self.tokenizer.lexical_skip_ids)
-            s = Sparse(s.indices[keep], s.values[keep])
-        if opts.sparse_threshold is not None:
-            keep = s.values >= opts.sparse_threshold
-            s = Sparse(s.indices[keep], s.values[keep])
-        if opts.max_active_dims is not None and s.values.size > opts.max_active_dims:
-            top = np.sort(np.argpartition(-s.values, opts.max_active_dims - 1)[: opts.max_active_dims])
-            s = Sparse(s.indices[top], s.values[top])  # ascending ids still
-        return s
-
     def _count_in_flight(self, n: int) -> None:
         """The admission's count, as the drain and the metrics read it."""
         self.in_flight = n
@@ -352,295 +257,16 @@ class Engine(TextSide):
         else:
             self._idle.set()
 
-    def _admit(self, inputs: Inputs, prompt: str | None) -> Permit:
-        """The one admission of every route: budgets (400), then capacity (429), before any tokenization."""
-        check_request(inputs, prompt, self.limits)
-        return self.admission.admit(len(inputs))
-
-    async def tokenize(self, inputs: Inputs, opts: EmbedOptions | None = None) -> list[list[int]]:
-        """The token ids embed() would run, after prompting and truncation; admitted like embed()."""
-        opts = opts or EmbedOptions()
-        rule = self.truncation(opts)
-        prompt = self._prompt(inputs, opts)
-        permit = self._admit(inputs, prompt)
-        try:
-            ids: list[list[int]] = []
-            while len(ids) < len(inputs):
-                k = max(1, permit.free())
-                permit.take(k)
-                ids += await self._tokenize_piece(inputs, len(ids), k, rule, prompt)
-                permit.done(k)
-            return ids
-        finally:
-            permit.close()
-
     async def embed(self, inputs: Inputs, opts: EmbedOptions | None = None) -> EmbedResult:
+        """The request's vectors: chunked (late, or long inputs as windows: serving/windowed.py) or not
+        (serving/embed.py), as its options and the server's defaults say."""
         opts = opts or EmbedOptions()
         output, rule, prompt, chunk_rule = self._embed_checks(inputs, opts)
         if chunk_rule is not None and chunk_rule.late is not None:  # late chunking: engine/late.py
             return await self._embed_late(inputs, opts, chunk_rule, prompt)  # type: ignore[arg-type]
         if chunk_rule is not None:  # long inputs as windows: engine/chunking.py
             return await self._embed_windowed(inputs, opts, chunk_rule, prompt)  # type: ignore[arg-type]
-
-        async def piece(first: int, k: int) -> list[list[int]]:
-            return await self._tokenize_piece(inputs, first, k, rule, prompt)
-
-        return await self._embed_run(self._admit(inputs, prompt), len(inputs), piece, opts, output)
-
-    async def embed_tokenized(self, ids: list[list[int]], opts: EmbedOptions | None = None) -> EmbedResult:
-        """embed() of texts that a front-end process has checked and tokenized (frontends/, with
-        `TextSide.tokenize_texts`): their budgets, prompt and truncation are done, so `ids` are admitted and
-        batched as they are, as embed() would batch the same texts' ids."""
-        opts = opts or EmbedOptions()
-        output = self._output_checks(opts)
-
-        async def piece(first: int, k: int) -> list[list[int]]:
-            return ids[first : first + k]
-
-        return await self._embed_run(self.admission.admit(len(ids)), len(ids), piece, opts, output)
-
-    async def _embed_run(
-        self,
-        permit: Permit,
-        n: int,
-        piece: Callable[[int, int], Awaitable[list[list[int]]]],
-        opts: EmbedOptions,
-        output: OutputRequest,
-    ) -> EmbedResult:
-        """An admitted request's `n` sequences (`piece(first, k)`: the ids of k of them) batched, run and
-        finished."""
-        with _Run(self, permit, opts.cache) as run:
-
-            async def start(first: int, k: int) -> list[asyncio.Future]:
-                return run.submit(await piece(first, k), output)
-
-            results = await run_piecewise(run.permit, n, start)
-            run.answered()
-        normalize = self.spec.normalize if opts.normalize is None else opts.normalize
-        kinds = output.kinds
-        dense = (
-            np.stack([r.dense for r in results])
-            if DENSE in kinds
-            else np.zeros((len(results), 0), np.float32)
-        )
-        return EmbedResult(
-            finish(dense, opts.dimensions, normalize),
-            run.tokens,
-            sparse=[self._sparse(r.sparse, opts) for r in results] if SPARSE in kinds else None,
-            colbert=[r.colbert for r in results] if COLBERT in kinds else None,
-        )
-
-    # --- long inputs as windows (engine/chunking.py) -------------------------------------------------
-
-    def _plan(
-        self,
-        texts: list[str],
-        prompt: str | None,
-        rule: chunking.ChunkRule,
-        first: int,
-        tally: chunking.Tally,
-    ) -> list[list[chunking.Window]]:
-        """Runs on a tokenization thread (the prompt was checked before admission)."""
-        try:
-            return chunking.plan(self.tokenizer, texts, prompt, rule, first, tally)
-        except chunking.ChunkError as exc:
-            raise InvalidInputError(str(exc), param=exc.param) from None
-
-    async def _embed_windowed(
-        self, inputs: list[str], opts: EmbedOptions, rule: chunking.ChunkRule, prompt: str | None
-    ) -> EmbedResult:
-        """embed() for a request that chunks its long texts: planned whole (and refused past its budget)
-        first, then each window a sequence, admitted as one (chunking.run_windowed)."""
-        check_request(inputs, prompt, self.limits)
-        try:  # before admission: refusals that need no tokenizing of the texts
-            self.tokenizer.check_prompt(prompt, rule.max_length)  # a prompt that fills the window first
-            chunking.check_overlap(self.tokenizer, rule, prompt)
-            chunking.check_chars(inputs, prompt, rule)
-        except (chunking.ChunkError, PromptError) as exc:
-            raise InvalidInputError(str(exc), param=exc.param) from None
-        planned: list[list[chunking.Window]] = []
-        tally = chunking.Tally(rule)  # the request's windows and tokens, against its budget
-        with _Run(self, self.admission.admit(len(inputs))) as run:
-
-            async def plan_piece(first: int, k: int) -> list[list[chunking.Window]]:
-                with self._tokenizing():
-                    done = await self._on_tokenizer(
-                        inputs, first, k, prompt, lambda texts, at: self._plan(texts, prompt, rule, at, tally)
-                    )
-                planned.extend(done)
-                return done
-
-            def submit(windows: list[chunking.Window]) -> list[asyncio.Future]:
-                return run.submit([w.ids for w in windows])
-
-            results = await chunking.run_windowed(run.permit, len(inputs), plan_piece, submit)
-            run.answered()
-        normalize = self.spec.normalize if opts.normalize is None else opts.normalize
-        pooled = [np.stack([r.dense for r in rs]) for rs in results]  # per input (w, D)
-        combined = np.stack([chunking.combine(v, [w.weight for w in ws]) for v, ws in zip(pooled, planned)])
-        chunks = None
-        if rule.return_chunks:
-            chunks = [
-                chunking.Chunks(
-                    [(w.start, w.end, w.weight) for w in ws], finish(v, opts.dimensions, normalize)
-                )
-                for v, ws in zip(pooled, planned)
-            ]
-        return EmbedResult(finish(combined, opts.dimensions, normalize), run.tokens, chunks)
-
-    async def _embed_late(
-        self, inputs: list[str], opts: EmbedOptions, rule: chunking.ChunkRule, prompt: str | None
-    ) -> EmbedResult:
-        """embed() with late chunking (engine/late.py): each input one sequence asking for its plain vector
-        and its chunks' pooled vectors, or a long one's macro-windows; planned whole first and run as the
-        windows of chunking.run_windowed are (an input that fits is one window, as without chunking)."""
-        asked = rule.late
-        assert asked is not None
-        check_request(inputs, prompt, self.limits)
-        texts, spans = inputs, asked
-        if asked.joined:  # Jina's late_chunking: the inputs are one document's chunks
-            text, cut = late.joined(inputs)
-            texts, spans = [text], dataclasses.replace(asked, spans=tuple(cut))
-        try:
-            self.tokenizer.check_prompt(prompt, rule.max_length)
-            chunking.check_chars(texts, prompt, rule)
-        except (chunking.ChunkError, PromptError) as exc:
-            raise InvalidInputError(str(exc), param=exc.param) from None
-
-        tally = chunking.Tally(rule)  # the request's sequences and tokens, against its budget
-        combinable = not self.spec.dense  # a long input's chunks combine pieces: no Dense layers after
-
-        def plan(piece: list[str], at: int) -> list[late.LatePlan]:
-            try:
-                out = []
-                for i, t in enumerate(piece):
-                    p = late.plan(
-                        self.tokenizer, t, prompt, spans, rule.max_length, at + i, rule.max_chunks, combinable
-                    )
-                    tally.add(p.windows, at + i)
-                    out.append(p)
-                return out
-            except chunking.ChunkError as exc:
-                raise InvalidInputError(str(exc), param=exc.param) from None
-
-        planned: list[late.LatePlan] = []
-        with _Run(self, self.admission.admit(len(texts))) as run:
-
-            async def plan_piece(first: int, k: int) -> list[list[late.LateWindow]]:
-                with self._tokenizing():
-                    done = await self._on_tokenizer(texts, first, k, prompt, plan)
-                planned.extend(done)
-                return [p.windows for p in done]
-
-            def submit(windows: list[late.LateWindow]) -> list[asyncio.Future]:
-                return run.submit([w.ids for w in windows], [w.request for w in windows])
-
-            results = await chunking.run_windowed(run.permit, len(texts), plan_piece, submit)  # type: ignore[arg-type]
-            run.answered()
-        normalize = self.spec.normalize if opts.normalize is None else opts.normalize
-        pooled = [late.combine(p, r) for p, r in zip(planned, results)]
-        chunks = [
-            chunking.Chunks(p.spans, finish(v, opts.dimensions, normalize))
-            for p, (v, _) in zip(planned, pooled)
-        ]
-        if asked.joined:  # one vector per input: the chunks' vectors
-            return EmbedResult(chunks[0].vectors, run.tokens)
-        dense = finish(np.stack([d for _, d in pooled]), opts.dimensions, normalize)
-        return EmbedResult(dense, run.tokens, chunks)
-
-    # --- scoring models: rerank and classify (engine/scoring.py) ----------------------------------------
-
-    @functools.cached_property
-    def _pairs(self) -> PairTokenizer | PromptTokenizer | ChatPairTokenizer:
-        return pair_tokenizer(self.spec, self.tokenizer.backend.to_str(), self.settings.rerank_instruction)
-
-    def _score_spec(self, route: str) -> ScoreSpec:
-        if self.spec.score is None:
-            raise InvalidInputError(
-                f"model {self.name} is an embedding model: it does not {route} (serve a cross-encoder or a "
-                "sequence classifier; see docs/models.md)",
-                param="model",
-            )
-        return self.spec.score
-
-    async def rerank(
-        self,
-        query: str,
-        documents: list[str],
-        truncate: bool = True,
-        doc_tokens: int | None = None,
-        instruction: str | None = None,
-    ) -> ScoreResult:
-        """One relevance score per (query, document), as CrossEncoder.predict gives it; (n, 1) scores."""
-        self._check_ready()
-        score = self._score_spec("rerank")
-        if len(score.labels) != 1:
-            raise InvalidInputError(
-                f"model {self.name} has {len(score.labels)} labels; reranking needs one score per pair "
-                "(use /classify)",
-                param="model",
-            )
-        if not query:
-            raise InvalidInputError("query must not be empty", param="query")
-        pairs = self._pairs
-        if instruction is not None and not isinstance(pairs, PromptTokenizer):
-            raise InvalidInputError(
-                "instruction applies to LLM rerankers (--llm-reranker); a cross-encoder scores the pair as it is",
-                param="instruction",
-            )
-        check_pairs(query + (instruction or ""), documents, self.limits)
-
-        def encode(piece: list[str], first: int) -> list[tuple[list[int], int]]:
-            try:
-                if isinstance(pairs, PromptTokenizer):
-                    return pairs.encode(query, piece, truncate, doc_tokens, first, instruction)
-                return pairs.encode(query, piece, truncate, doc_tokens, first)
-            except InputTooLongError as exc:  # the route's fields are query and documents, not input
-                raise InvalidInputError(
-                    f"the query and document {exc.index} make more than the maximum of {exc.limit} tokens "
-                    f"(at least {exc.length}); shorten them, or send truncate=true (the default) or "
-                    "max_tokens_per_doc",
-                    param="documents",
-                ) from None
-
-        logits, tokens = await self._score(documents, query, encode)
-        return ScoreResult(activate(logits, score.rerank_activation), tokens)
-
-    async def classify(self, inputs: list[str], opts: EmbedOptions | None = None) -> ScoreResult:
-        """Label probabilities per text, as the transformers text-classification pipeline gives them."""
-        opts = opts or EmbedOptions()
-        self._check_ready()
-        score = self._score_spec("classify")
-        if score.head in ("yes_no", "logit_score"):
-            raise InvalidInputError(f"model {self.name} is an LLM reranker: it reranks, it does not classify")
-        rule = self.truncation(opts)
-        check_request(inputs, None, self.limits)
-
-        def encode(piece: list[str], first: int) -> list[tuple[list[int], int]]:
-            return [(ids, 0) for ids in self._token_ids(piece, rule, None, first)]
-
-        logits, tokens = await self._score(inputs, None, encode)
-        return ScoreResult(activate(logits, score.classify_activation), tokens)
-
-    async def _score(self, texts: list[str], query: str | None, encode: Any) -> tuple[np.ndarray, int]:
-        """Admit, tokenize (`encode(piece, first)` on a tokenization thread), batch and run scoring
-        sequences; their (n, labels) logits and token count. A request of thousands of documents is
-        admitted piecewise and batched by tokens, like any other work."""
-        kinds = frozenset({SCORE})
-        with _Run(self, self.admission.admit(len(texts))) as run:
-
-            async def start(first: int, k: int) -> list[asyncio.Future]:
-                with self._tokenizing():
-                    encoded: list[tuple[list[int], int]] = await self._on_tokenizer(
-                        texts, first, k, query, encode
-                    )
-                return run.submit(
-                    [ids for ids, _ in encoded], [OutputRequest(kinds, second) for _, second in encoded]
-                )
-
-            results = await run_piecewise(run.permit, len(texts), start)
-            run.answered()
-        return np.stack([r.score for r in results]), run.tokens
+        return await self._embed_plain(inputs, opts, output, rule, prompt)
 
     def info(self) -> dict[str, Any]:
         s = self.settings

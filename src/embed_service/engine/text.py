@@ -89,7 +89,7 @@ def output_dimension(dimensions: int | None, model_dimension: int, param: str = 
 INLINE_TOKENIZE_CHARS = 1024
 # Characters one call on a tokenization thread reads at most (a single input may pass it): a cancelled
 # request stops between calls, so this bounds the CPU a client that went away still costs (~30 ms).
-TOKENIZE_CHUNK_CHARS = 65536
+TOKENIZE_CALL_CHARS = 65536
 
 
 def _small(inputs: Inputs, prompt: str | None) -> bool:
@@ -100,15 +100,15 @@ def _small(inputs: Inputs, prompt: str | None) -> bool:
     return sum(len(text) for text in inputs) + len(inputs) * len(prompt or "") <= INLINE_TOKENIZE_CHARS
 
 
-def _chunk(inputs: Inputs, start: int, most: int, prompt: str | None, limit: int) -> int:
-    """How many inputs from `start` (1..most) one tokenization call takes: TOKENIZE_CHUNK_CHARS at most."""
+def _tokenize_step(inputs: Inputs, start: int, most: int, prompt: str | None, limit: int) -> int:
+    """How many inputs from `start` (1..most) one tokenization call takes: TOKENIZE_CALL_CHARS at most."""
     if not isinstance(inputs[start], str):
         return most
     extra = len(prompt or "")
     k, chars = 0, 0
     while k < most:
         chars += min(len(inputs[start + k]) + extra, limit)
-        if k and chars > TOKENIZE_CHUNK_CHARS:
+        if k and chars > TOKENIZE_CALL_CHARS:
             break
         k += 1
     return k
@@ -252,13 +252,13 @@ class TextSide:
         self, texts: Inputs, first: int, k: int, extra: str | None, fn: Callable[[Any, int], list[T]]
     ) -> list[T]:
         """`fn(texts[at : at + step], at)` over texts[first : first + k] on a tokenization thread, a call per
-        TOKENIZE_CHUNK_CHARS (`extra`: what each text carries besides itself, a prompt or a query): cancelling
+        TOKENIZE_CALL_CHARS (`extra`: what each text carries besides itself, a prompt or a query): cancelling
         the caller stops the work at the next call. `fn` gives one result per text."""
         loop = asyncio.get_running_loop()
         done: list[T] = []
         while len(done) < k:
             at = first + len(done)
-            step = _chunk(texts, at, k - len(done), extra, self.settings.max_input_chars)
+            step = _tokenize_step(texts, at, k - len(done), extra, self.settings.max_input_chars)
             done += await loop.run_in_executor(self._tokenize_pool, fn, texts[at : at + step], at)
         return done
 

@@ -107,7 +107,7 @@ def encode(vectors: np.ndarray, dtype: str, ranges: np.ndarray | None = None) ->
         starts = ranges[0, :]
         steps = (ranges[1, :] - starts) / 255
         steps = np.where(steps == 0, 1, steps)
-        buckets = np.clip(np.floor((vectors - starts) / steps), 0, 255)
+        buckets: np.ndarray = np.clip(np.floor((vectors - starts) / steps), 0, 255)
         if dtype == "uint8":
             return buckets.astype(np.uint8)
         return (buckets - 128).astype(np.int8)
