@@ -238,6 +238,16 @@ class ModelSettings(BaseSettings):
     within this many characters (mostly whitespace) is a 400, as is any longer input with truncation off
     whose length cannot be decided either."""
 
+    max_image_pixels: int = 4096 * 4096
+    """Pixels (width x height, read from the file's header before decoding) one image input may have; a
+    larger one is a 400. Image models only (CLIP, SigLIP)."""
+
+    max_image_bytes: int = 20 << 20
+    """Encoded bytes one image input may have (after base64 decoding); a larger one is a 400."""
+
+    max_request_image_bytes: int = 64 << 20
+    """Encoded bytes all the image inputs of one request may have together; more is a 400."""
+
     max_request_chars: int = 8 * 1024 * 1024
     """Characters one request may have tokenized: each input's (prompt + text, at most
     --max-input-chars), summed; more is a 400 before any tokenization."""
@@ -360,6 +370,9 @@ class ModelSettings(BaseSettings):
         "data_parallel_size",
         "num_threads",
         "max_chunks_per_input",
+        "max_image_pixels",
+        "max_image_bytes",
+        "max_request_image_bytes",
     )
     @classmethod
     def _positive(cls, v: int | None) -> int | None:

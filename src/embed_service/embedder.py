@@ -28,6 +28,7 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -168,7 +169,7 @@ class Embedder:
 
     def encode(
         self,
-        inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | Any,
         *,
         normalize: bool | None = None,
         dimensions: int | None = None,
@@ -187,7 +188,10 @@ class Embedder:
 
         Args:
             inputs: a text, a list of texts, a list of token ids or a list of token-id lists, as the
-                API's ``input``. Any number of inputs: they are sent to the engine in pieces, several at
+                API's ``input``; for an image model (CLIP, SigLIP) also images, alone or in a list with
+                texts: PIL images (taken as the image processor takes them), encoded bytes or
+                ``pathlib.Path`` files (decoded as transformers' load_image decodes them), or the API's
+                item objects. A ``str`` is always a text. Any number of inputs: they are sent to the engine in pieces, several at
                 a time, and the answers are put back in order.
             normalize: L2-normalize (default: the model's).
             dimensions: keep the first N features, then normalize (Matryoshka).
@@ -224,7 +228,7 @@ class Embedder:
 
     async def aencode(
         self,
-        inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | Any,
         *,
         normalize: bool | None = None,
         dimensions: int | None = None,
@@ -405,8 +409,8 @@ def _plain(inputs: Any) -> Any:
 
 
 def _single(inputs: Any) -> bool:
-    """One text, or one list of token ids: the answer is one row, as sentence-transformers gives."""
-    if isinstance(inputs, str):
+    """One text, one image or one list of token ids: one row, as sentence-transformers gives."""
+    if isinstance(inputs, (str, bytes, bytearray, Path)) or type(inputs).__module__.startswith("PIL."):
         return True
     if isinstance(inputs, np.ndarray):
         return inputs.ndim == 1

@@ -43,6 +43,22 @@ TOKENIZATION_DURATION = Histogram(
     buckets=DURATION_BUCKETS,
     registry=REGISTRY,
 )
+IMAGES = Counter(
+    "embed_images_total", "Image inputs decoded and preprocessed for embedding.", ["model"], registry=REGISTRY
+)
+IMAGE_BYTES = Counter(
+    "embed_image_bytes_total",
+    "Encoded bytes of the image inputs decoded (after base64 decoding).",
+    ["model"],
+    registry=REGISTRY,
+)
+IMAGE_DECODE_DURATION = Histogram(
+    "embed_image_decode_duration_seconds",
+    "Time to decode and preprocess one request's images.",
+    ["model"],
+    buckets=DURATION_BUCKETS,
+    registry=REGISTRY,
+)
 INFERENCE_DURATION = Histogram(
     "embed_inference_duration_seconds",
     "Forward pass and pooling of one batch.",
@@ -84,6 +100,9 @@ def declare_model(model: str) -> None:
         REQUEST_DURATION,
         QUEUE_DURATION,
         TOKENIZATION_DURATION,
+        IMAGES,
+        IMAGE_BYTES,
+        IMAGE_DECODE_DURATION,
         INFERENCE_DURATION,
         BATCH_SIZE,
         BATCH_TOKENS,

@@ -40,6 +40,10 @@ class OutputRequest:
     spans: tuple[tuple[int, int], ...] = ()
     """With LATE: the rows [start, end) of the sequence whose token vectors each chunk's vector averages
     (late chunking); a few pairs per sequence."""
+    pixels: bytes = b""
+    """An image input of a two-tower model: its preprocessed pixel values, float32 (C, H, W) in C order
+    (images/preprocess.py); its sequence's ids are placeholders as long as its vision-tower tokens, which
+    is what it costs the batcher. Empty for text."""
 
 
 DENSE_ONLY = OutputRequest()

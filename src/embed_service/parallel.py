@@ -36,6 +36,12 @@ def check_shardable(config: dict[str, Any], world_size: int) -> None:
         ("key/value heads", kv_heads if kv_heads != heads else None),  # unset: as many as query heads
         ("intermediate size", config.get("intermediate_size")),
     ]
+    vision = config.get("vision_config")  # a two-tower model (CLIP, SigLIP): its vision tower splits too
+    if isinstance(vision, dict):
+        checks += [
+            ("vision query heads", vision.get("num_attention_heads")),
+            ("vision intermediate size", vision.get("intermediate_size")),
+        ]
     problems = [f"{what} ({n})" for what, n in checks if isinstance(n, int) and n % world_size]
     if problems:
         raise ValueError(

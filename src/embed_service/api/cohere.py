@@ -29,6 +29,7 @@ from embed_service.api.schemas import CohereEmbedRequest, CohereEmbedResponse
 from embed_service.engine.errors import InvalidInputError
 from embed_service.engine.protocol import ServingEngine
 from embed_service.engine.text import EmbedOptions, output_dimension
+from embed_service.images.inputs import ImageInput
 from embed_service.outputs import DENSE_ONLY
 from embed_service.requests import encodings
 from embed_service.requests.embed import chunk_options
@@ -53,27 +54,45 @@ _ROUTE: dict[str, Any] = {
 }
 
 
-def texts_of(body: CohereEmbedRequest) -> list[str]:
+def items_of(body: CohereEmbedRequest) -> list[Any]:
+    """The texts (str) and images (ImageInput) to embed, from texts, images or inputs (one of them)."""
+    given = [f for f in ("texts", "images", "inputs") if getattr(body, f)]
+    if len(given) != 1:
+        raise invalid_request(
+            "send one of texts, images or inputs", "images" if body.images and given else "texts"
+        )
     if body.images:
-        raise invalid_request("images cannot be embedded: only text models are served", "images")
-    if (body.texts is None) == (body.inputs is None):
-        raise invalid_request("send either texts or inputs", "texts")
+        if body.input_type != "image":
+            raise invalid_request('images are embedded with input_type "image"', "input_type")
+        return [ImageInput(url) for url in body.images]
+    if body.input_type == "image" and body.texts:
+        raise invalid_request('input_type "image" goes with images', "input_type")
     if body.texts is not None:
         return body.texts
-    texts = []
+    items: list[Any] = []
     for i, item in enumerate(body.inputs or ()):
-        if any(part.type != "text" for part in item.content):
-            raise invalid_request(f"inputs[{i}]: only text parts can be embedded", "inputs")
+        images = [part for part in item.content if part.type == "image_url"]
+        if images:
+            if len(item.content) != 1:
+                raise invalid_request(
+                    f"inputs[{i}]: one image per input, without text (this model embeds texts and images "
+                    "apart: send them as separate inputs)",
+                    "inputs",
+                )
+            url = images[0].image_url
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str) or not url:
+                raise invalid_request(f'inputs[{i}]: an image_url part needs {{"url": "data:..."}}', "inputs")
+            items.append(ImageInput(url))
+            continue
         text = "\n".join(part.text or "" for part in item.content)
         if not text:
             raise invalid_request(f"inputs[{i}] has no text", "inputs")
-        texts.append(text)
-    return texts
+        items.append(text)
+    return items
 
 
 def options(body: CohereEmbedRequest, engine: ServingEngine) -> EmbedOptions:
-    if body.input_type == "image":
-        raise invalid_request("input_type image: only text models are served", "input_type")
     limit = engine.spec.max_input_length
     if body.max_tokens is not None and body.max_tokens < limit:
         raise invalid_request(
@@ -96,8 +115,9 @@ def options(body: CohereEmbedRequest, engine: ServingEngine) -> EmbedOptions:
 
 async def embed(request: Request, by_type: bool) -> Response:
     body = await read_json(request, CohereEmbedRequest)
-    texts = texts_of(body)
-    note(request, inputs=len(texts))
+    items = items_of(body)
+    texts = [x for x in items if isinstance(x, str)]
+    note(request, inputs=len(items))
     engine = serving(request, body.model)
     opts = options(body, engine)
     types = list(dict.fromkeys(body.embedding_types or ["float"]))
@@ -107,12 +127,13 @@ async def embed(request: Request, by_type: bool) -> Response:
         raise invalid_request("embed_ranges applies to embedding_types int8 and uint8", "embed_ranges")
     ranges = encodings.check_ranges("int8", body.embed_ranges, dimension) if integer else None
     try:
-        result = await until_disconnect(request, engine.embed(texts, opts))
+        result = await until_disconnect(request, engine.embed(items, opts))
     except InvalidInputError as exc:
         if exc.param != "input":
             raise
         # The engine's input is this route's texts or inputs: name the field the client sent.
-        raise InvalidInputError(str(exc), "texts" if body.texts is not None else "inputs") from None
+        field = "texts" if body.texts is not None else "images" if body.images else "inputs"
+        raise InvalidInputError(str(exc), field) from None
     note(request, tokens=result.prompt_tokens)
     vectors = result.embeddings  # (n, d) float32, sliced and normalized
 

@@ -160,12 +160,14 @@ CohereEmbeddingType = Literal["float", "int8", "uint8", "binary", "ubinary", "ba
 
 
 class CohereContent(BaseModel):
-    """One part of a Cohere input; only text parts can be embedded here."""
+    """One part of a Cohere input: a text, or an image (an image model only)."""
 
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["text", "image_url"]
     text: StrictStr | None = None
+    image_url: StrictStr | dict[str, Any] | None = None
+    """``{"url": "data:image/...;base64,..."}`` (or the data URL itself)."""
 
 
 class CohereInput(BaseModel):
@@ -186,12 +188,13 @@ class CohereEmbedRequest(BaseModel):
     ] = None
     inputs: list[CohereInput] | None = Field(None, min_length=1)
     """Instead of texts: inputs of text parts (the parts of one input are joined by newlines)."""
-    images: list[Any] | None = None
-    """Refused when not empty: only text models are served."""
+    images: list[StrictStr] | None = None
+    """Images as data URIs (``data:image/png;base64,...``), with ``input_type: "image"``: an image model
+    (CLIP, SigLIP) only. Instead of texts and inputs."""
     input_type: Literal["search_query", "search_document", "classification", "clustering", "image"] | None = (
         None
     )
-    """Selects the model's prompt of that purpose (docs/api.md); ``image`` is refused."""
+    """Selects the model's prompt of that purpose (docs/api.md); ``image`` goes with ``images``."""
     embedding_types: list[CohereEmbeddingType] | None = Field(None, min_length=1)
     """The encodings to return, each under its own key; default ``["float"]``."""
     output_dimension: Dimensions | None = None

@@ -50,6 +50,8 @@ def input_chars(item: str | Sequence[int], prompt: str | None, limit: int) -> in
     cut or refused), or the number of ids of a token-id input."""
     if isinstance(item, str):
         return min(len(prompt or "") + len(item), limit)
+    if not isinstance(item, (list, tuple)):  # an image (images.inputs.ImageInput): its own budgets
+        return 0
     return len(item)
 
 

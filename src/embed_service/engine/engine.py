@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -23,8 +23,10 @@ from embed_service.config import ModelSettings, Settings
 from embed_service.engine import invariance_check
 from embed_service.engine.admission import Admission
 from embed_service.engine.errors import NotReadyError
+from embed_service.engine.image_side import MixedInputs, has_images
 from embed_service.engine.replicas import Replicas
 from embed_service.engine.serving.embed import EmbedServing
+from embed_service.engine.serving.images import ImageServing
 from embed_service.engine.serving.score import ScoreServing
 from embed_service.engine.serving.windowed import WindowedServing
 from embed_service.engine.text import EmbedOptions, EmbedResult, Inputs
@@ -65,7 +67,7 @@ def model_request(settings: ModelSettings, spec: ModelSpec, name: str, device: s
 DEFAULT_BATCH_TOKENS = 4096
 
 
-class Engine(EmbedServing, WindowedServing, ScoreServing):
+class Engine(EmbedServing, WindowedServing, ScoreServing, ImageServing):
     """One served model. `plan`: its share of the machine (plan.py) when the server serves several; by default
     the model has the machine to itself."""
 
@@ -257,10 +259,13 @@ class Engine(EmbedServing, WindowedServing, ScoreServing):
         else:
             self._idle.set()
 
-    async def embed(self, inputs: Inputs, opts: EmbedOptions | None = None) -> EmbedResult:
+    async def embed(self, inputs: Inputs | MixedInputs, opts: EmbedOptions | None = None) -> EmbedResult:
         """The request's vectors: chunked (late, or long inputs as windows: serving/windowed.py) or not
         (serving/embed.py), as its options and the server's defaults say."""
         opts = opts or EmbedOptions()
+        if has_images(inputs):  # a CLIP or SigLIP model's images (and texts): serving/images.py
+            return await self._embed_images(inputs, opts)
+        inputs = cast(Inputs, inputs)
         output, rule, prompt, chunk_rule = self._embed_checks(inputs, opts)
         if chunk_rule is not None and chunk_rule.late is not None:  # late chunking: engine/late.py
             return await self._embed_late(inputs, opts, chunk_rule, prompt)  # type: ignore[arg-type]
@@ -284,6 +289,7 @@ class Engine(EmbedServing, WindowedServing, ScoreServing):
             "outputs": [k for k in KINDS if k in self.spec.outputs],
             "normalize": self.spec.normalize,
             "dimension": self.spec.dimension,
+            "modalities": sorted(self.spec.modalities),
             "max_input_length": self.spec.max_input_length,
             "prompts": sorted(self.spec.prompts),
             "default_prompt_name": self.spec.default_prompt_name,

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from embed_service.config import Settings
+from embed_service.engine.image_side import MixedInputs
 from embed_service.engine.scoring import ScoreResult
 from embed_service.engine.text import EmbedOptions, EmbedResult, Inputs
 from embed_service.engine.tokenizer import Tokenizer
@@ -46,7 +47,7 @@ class ServingEngine(Protocol):
 
     def output_request(self, kinds: frozenset[str] | None) -> OutputRequest: ...
 
-    async def embed(self, inputs: Inputs, opts: EmbedOptions | None = None) -> EmbedResult: ...
+    async def embed(self, inputs: Inputs | MixedInputs, opts: EmbedOptions | None = None) -> EmbedResult: ...
 
     async def tokenize(self, inputs: Inputs, opts: EmbedOptions | None = None) -> list[list[int]]: ...
 

@@ -15,15 +15,16 @@ import logging
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from embed_service import observability
 from embed_service.api.app import create_app
 from embed_service.api.http_limits import server_wide
 from embed_service.config import ServerSettings, Settings
 from embed_service.engine.errors import NotReadyError, OverloadedError
+from embed_service.engine.image_side import ImageSide, MixedInputs, has_images
 from embed_service.engine.scoring import ScoreResult
-from embed_service.engine.text import EmbedOptions, EmbedResult, Inputs, TextSide
+from embed_service.engine.text import EmbedOptions, EmbedResult, Inputs
 from embed_service.engine.tokenizer import Tokenizer, TokenizerFiles
 from embed_service.frontends.channel import (
     Call,
@@ -156,7 +157,7 @@ class EngineClient:
         self.on_gone(self.gone)
 
 
-class RemoteEngine(TextSide):
+class RemoteEngine(ImageSide):
     """A `ServingEngine` (engine/protocol.py) in a front-end process: its calls run in the engine process,
     but for embed() of texts without chunking, which it checks and tokenizes here (with the engine's own
     code, `TextSide`, on threads of its own) and sends as token ids: tokenization, most of the work of long
@@ -202,8 +203,12 @@ class RemoteEngine(TextSide):
     async def close(self) -> None:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)  # the engine process closes the engine
 
-    async def embed(self, inputs: Inputs, opts: EmbedOptions | None = None) -> EmbedResult:
+    async def embed(self, inputs: Inputs | MixedInputs, opts: EmbedOptions | None = None) -> EmbedResult:
         opts = opts or EmbedOptions()
+        if has_images(inputs):  # decoded and preprocessed here; the pixels travel with their sequences
+            ids, outputs = await self.prepare_items(inputs, opts)
+            return await self.client.call(self.name, "embed_prepared", ids, outputs, opts)
+        inputs = cast(Inputs, inputs)
         if not inputs or not isinstance(inputs[0], str):  # token ids: the engine checks them
             return await self.client.call(self.name, "embed", inputs, opts)
         # The engine's refusals in its order: its checks, then the budgets, then tokenization; its 429

@@ -51,7 +51,7 @@ REPORT_WAIT_S = 1.0  # how long a scrape waits for the front ends' HTTP series (
 RESTART_LIMIT = 5  # front-end restarts within RESTART_WINDOW_S before the server gives up (exit 1)
 RESTART_WINDOW_S = 60.0
 # the engine methods a front end may call
-CALLS = ("embed", "embed_tokenized", "tokenize", "rerank", "classify", "wait_idle")
+CALLS = ("embed", "embed_tokenized", "embed_prepared", "tokenize", "rerank", "classify", "wait_idle")
 
 
 def _forget(tasks: dict[int, asyncio.Task], call_id: int, _done: asyncio.Task) -> None:

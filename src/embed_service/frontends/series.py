@@ -9,15 +9,31 @@ from prometheus_client.metrics_core import Metric
 
 from embed_service import metrics
 
-# recorded by the front ends (tokenization: of the texts they tokenize; the engine process records the rest)
-HTTP_FAMILIES = ("embed_requests", "embed_request_duration_seconds", "embed_tokenization_duration_seconds")
+# recorded by the front ends (tokenization and image decoding: of the inputs they prepare; the engine
+# process records the rest)
+FRONT_END_METRICS = (
+    metrics.REQUESTS,
+    metrics.REQUEST_DURATION,
+    metrics.TOKENIZATION_DURATION,
+    metrics.IMAGES,
+    metrics.IMAGE_BYTES,
+    metrics.IMAGE_DECODE_DURATION,
+)
+HTTP_FAMILIES = (
+    "embed_requests",
+    "embed_request_duration_seconds",
+    "embed_tokenization_duration_seconds",
+    "embed_images",
+    "embed_image_bytes",
+    "embed_image_decode_duration_seconds",
+)
 
 
 def http_samples() -> list[tuple[str, tuple, float]]:
     """This process's HTTP series as (sample name, labels, value): cumulative, so the latest report is all."""
     return [
         (s.name, tuple(sorted(s.labels.items())), s.value)
-        for family in (metrics.REQUESTS, metrics.REQUEST_DURATION, metrics.TOKENIZATION_DURATION)
+        for family in FRONT_END_METRICS
         for m in family.collect()
         for s in m.samples
     ]

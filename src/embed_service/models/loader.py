@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -95,6 +97,47 @@ class DenseHead(nn.Module):
         return self.activation(self.linear(x))
 
 
+class TwoTowers:
+    """A CLIP or SigLIP model's batch: its texts through the text tower (flat, padding-free), its images
+    (OutputRequest.pixels) through the vision tower, one pass each; dense vectors only."""
+
+    def __init__(self, spec: ModelSpec, model: Any, dtype: torch.dtype):
+        from embed_service.models import towers
+
+        size = towers.image_size(spec.config, spec.family.cls)
+        self.model, self.dtype, self.image_shape = model, dtype, (3, size, size)
+        self.pad_length = min(64, spec.position_limit)  # dummy sequences' positions stay in the table
+        self.text_padding = spec.text_padding
+
+    def __call__(self, batch: FlatBatch, requests: list[OutputRequest]) -> list[SequenceOutput]:
+        outs = [SequenceOutput() for _ in requests]
+        texts = [i for i, r in enumerate(requests) if not r.pixels]
+        images = [i for i, r in enumerate(requests) if r.pixels]
+        device = batch.input_ids.device
+        if texts:
+            if images or self.text_padding is not None:  # the texts alone, laid end to end again
+                batch = self._texts(batch, texts).to(device)
+            tokens = int(batch.cu_seqlens[-1])
+            run = batch.padded(padded_tokens(tokens), self.pad_length) if device.type == "cpu" else batch
+            for i, row in zip(texts, self.model.text_features(run, tokens).cpu().numpy()):
+                outs[i].dense = row
+        if images:
+            flat = np.stack([np.frombuffer(requests[i].pixels, np.float32) for i in images])
+            pixels = torch.from_numpy(flat.reshape(len(images), *self.image_shape)).to(device, self.dtype)
+            for i, row in zip(images, self.model.image_features(pixels).cpu().numpy()):
+                outs[i].dense = row
+        return outs
+
+    def _texts(self, batch: FlatBatch, texts: list[int]) -> FlatBatch:
+        """The flat batch of sequences `texts` only, each padded to the text padding's length if any."""
+        cu = batch.cu_seqlens.tolist()
+        seqs = [batch.input_ids[cu[i] : cu[i + 1]].cpu() for i in texts]
+        if self.text_padding is not None:
+            length, pad = self.text_padding
+            seqs = [torch.cat([s, torch.full((length - len(s),), pad, dtype=s.dtype)]) for s in seqs]
+        return FlatBatch.from_lengths(torch.cat(seqs), [len(s) for s in seqs])
+
+
 class EmbeddingModel(nn.Module):
     """Transformer -> output heads: (T,) token ids and one OutputRequest per sequence -> one SequenceOutput
     per sequence (models/heads.py). Dense vectors come out not normalized.
@@ -104,6 +147,7 @@ class EmbeddingModel(nn.Module):
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device):
         super().__init__()
+        self.spec = spec
         prev = torch.get_default_dtype()
         try:
             torch.set_default_dtype(dtype)
@@ -114,13 +158,14 @@ class EmbeddingModel(nn.Module):
         finally:
             torch.set_default_dtype(prev)
         load_weights(self.model, spec.path)
+        self.towers: TwoTowers | None = TwoTowers(spec, self.model, dtype) if spec.family.towers else None
         dense = nn.ModuleList()
         for d in spec.dense:
             head = DenseHead(d)
             load_weights(head, d.path)
             dense.append(head.to(device))
         self.heads = OutputHeads(
-            POOLERS[spec.pooling],
+            POOLERS[spec.pooling] if self.towers is None else POOLERS["cls"],  # towers pool their own
             dense,
             load_linear(spec.sparse_head, device) if spec.sparse_head else None,
             load_linear(spec.colbert_head, device) if spec.colbert_head else None,
@@ -132,6 +177,8 @@ class EmbeddingModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: FlatBatch, requests: list[OutputRequest]) -> list[SequenceOutput]:
+        if self.towers is not None:
+            return self.towers(batch, requests)
         tokens = int(batch.cu_seqlens[-1])
         run = batch.padded(padded_tokens(tokens)) if batch.input_ids.device.type == "cpu" else batch
         hidden = self.model(run)[:tokens]  # (T, H): the real rows

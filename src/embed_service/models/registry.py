@@ -30,9 +30,16 @@ class Family:
     config_aliases: tuple[tuple[str, str], ...] = ()
     """(standard key, this family's key) pairs: configs that name their sizes their own way (DistilBERT's
     ``dim``, ``n_heads``) are read under the standard names everywhere else."""
+    towers: bool = False
+    """A text tower and a vision tower in one vector space (CLIP, SigLIP: models/towers.py); the text
+    tower's settings stand in for the model's everywhere a text model's are read."""
 
     def standard_config(self, config: dict) -> dict:
         """The config with the standard keys filled in from this family's own names, where absent."""
+        if self.towers:
+            from embed_service.models.towers import tower
+
+            config = {**tower(config, self.cls, "text_config"), **config}
         out = dict(config)
         for standard, own in self.config_aliases:
             if standard not in out and own in out:
@@ -102,6 +109,13 @@ _MPNET = Family(
 _GEMMA2 = Family("gemma", "Gemma2Model", causal=True, default_pooling="last", default_normalize=True)
 _GEMMA3 = Family("gemma", "Gemma3TextModel", causal=True, default_pooling="last", default_normalize=True)
 
+# Two towers: CLIP pools the end-of-text token, SigLIP the last one (models/clip.py, siglip.py); the
+# vectors are the projections', not normalized, as get_text_features / get_image_features give them.
+_CLIP = Family("clip", "CLIPModel", causal=True, default_pooling="eos", default_normalize=False, towers=True)
+_SIGLIP = Family(
+    "siglip", "SiglipModel", causal=False, default_pooling="last", default_normalize=False, towers=True
+)
+
 ARCHITECTURES: dict[str, Family] = {
     "BertModel": _BERT,
     "BertForMaskedLM": _BERT,
@@ -136,6 +150,8 @@ ARCHITECTURES: dict[str, Family] = {
     "Gemma2ForCausalLM": _GEMMA2,
     "Gemma3TextModel": _GEMMA3,
     "Gemma3ForCausalLM": _GEMMA3,
+    "CLIPModel": _CLIP,
+    "SiglipModel": _SIGLIP,
 }
 
 # The scoring head of each family's *ForSequenceClassification checkpoints (models/scoring.py SCORERS).
@@ -156,6 +172,8 @@ MODEL_TYPES: dict[str, Family] = {
     "mpnet": _MPNET,
     "gemma2": _GEMMA2,
     "gemma3_text": _GEMMA3,
+    "clip": _CLIP,
+    "siglip": _SIGLIP,
 }
 
 

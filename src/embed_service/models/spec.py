@@ -65,6 +65,22 @@ class ModelSpec:
     splade: SpladeSpec | None = None
     """A SPLADE model (modules.json lists SpladePooling): its output is the vocabulary-size sparse vector
     of the MLM head's logits, and it gives no dense output."""
+    image_processor: Any = None
+    """A two-tower model's images.preprocess.ImageProcessor (preprocessor_config.json); None: text only."""
+    text_padding: tuple[int, int] | None = None
+    """(length, pad id) each text is padded to before the text tower (SigLIP: models/towers.py)."""
+
+    @property
+    def modalities(self) -> frozenset[str]:
+        """What the model embeds: text, and images for a two-tower model with an image processor."""
+        return frozenset({"text", "image"} if self.image_processor is not None else {"text"})
+
+    @property
+    def tokens_per_image(self) -> int:
+        """An image's cost in the batcher: its sequence length in the vision tower (models/towers.py)."""
+        from embed_service.models import towers
+
+        return towers.tokens_per_image(self.config, self.family.cls)
 
     @property
     def outputs(self) -> frozenset[str]:
@@ -119,6 +135,10 @@ class ModelSpec:
         sentence-transformers' SparseEncoder reports it."""
         if self.splade is not None:
             return int(self.config["vocab_size"])
+        if self.family.towers:
+            from embed_service.models import towers
+
+            return towers.dimension(self.config, self.family.cls)
         return self.dense[-1].out_features if self.dense else self.hidden_size
 
     @property
@@ -132,7 +152,7 @@ class ModelSpec:
 
 
 def load_spec(path: str | Path, max_input_length: int | None = None, llm_reranker: bool = False) -> ModelSpec:
-    path = Path(path).resolve()
+    path = two_tower_folder(Path(path).resolve())
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
     config = read_json(path / "config.json")
@@ -157,6 +177,8 @@ def load_spec(path: str | Path, max_input_length: int | None = None, llm_reranke
                 dense.append(dense_module(mpath))
             elif kind == "SpladePooling":
                 splade = splade_pooling(mpath)
+            elif kind == "CLIPModel" and family.towers and mpath == path:
+                pass  # sentence-transformers' CLIP layout: this folder is the model (two_tower_folder)
             elif kind == "LogitScore":
                 pass  # read below (_logit_score), with the Transformer module it scores
             elif kind not in ("Transformer", "MLMTransformer"):
@@ -190,9 +212,41 @@ def load_spec(path: str | Path, max_input_length: int | None = None, llm_reranke
         or classifier_spec(path, config, architecture, family),
         splade=splade,
     )
+    if family.towers:
+        from embed_service.models import towers
+
+        spec.image_processor = image_processor(path, architecture)
+        spec.text_padding = towers.siglip_padding(path, config, family.cls)
     spec.max_input_length = max_input_length or default_max_length(path, position_limit)
     if spec.max_input_length > position_limit:
         raise ValueError(
             f"max input length {spec.max_input_length} exceeds the model's {position_limit} positions"
         )
     return spec
+
+
+def two_tower_folder(path: Path) -> Path:
+    """sentence-transformers' CLIP layout: modules.json's one CLIPModel module holds the model's files (in
+    a subfolder such as ``0_CLIPModel``, or the folder itself); any other folder is itself."""
+    modules = st_modules(path) if not (path / "config.json").is_file() else []
+    clip = [m for m in modules if m.get("type", "").rsplit(".", 1)[-1] == "CLIPModel"]
+    if len(modules) == 1 and clip:
+        return (path / clip[0].get("path", "")).resolve()
+    return path
+
+
+def image_processor(path: Path, architecture: str) -> Any:
+    """The folder's image processor, or None where it has no preprocessor_config.json (text only)."""
+    if not (path / "preprocessor_config.json").is_file():
+        return None
+    from embed_service.images.preprocess import ImageProcessor
+    from embed_service.models import towers
+
+    processor = ImageProcessor.from_folder(path, architecture)
+    size = towers.image_size(read_json(path / "config.json"), architecture)
+    if processor.output_size != (size, size):
+        raise ValueError(
+            f"{path / 'preprocessor_config.json'}: images come out {processor.output_size[0]}x"
+            f"{processor.output_size[1]}, but the vision tower takes {size}x{size} (vision_config.image_size)"
+        )
+    return processor

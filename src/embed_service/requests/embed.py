@@ -15,6 +15,7 @@ from embed_service.engine.chunking import ChunkOptions
 from embed_service.engine.errors import InvalidInputError
 from embed_service.engine.protocol import ServingEngine
 from embed_service.engine.text import EmbedOptions, output_dimension
+from embed_service.images.inputs import ImageInput
 from embed_service.requests import encodings
 from embed_service.requests.encodings import EmbedDtype
 from embed_service.requests.fields import (
@@ -62,7 +63,7 @@ class EmbeddingRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore", use_attribute_docstrings=True)
 
-    input: Annotated[list[str] | list[list[int]], EMBED_INPUT]
+    input: Annotated[list[str] | list[list[int]] | list[str | ImageInput], EMBED_INPUT]
     model: str | None = None
     """A served model name; default: the first served model."""
     encoding_format: Literal["float", "base64"] | None = None

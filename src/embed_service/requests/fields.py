@@ -6,9 +6,12 @@ given explicitly: EMBED_INPUT, TEXT_INPUT).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any, cast
 
 from pydantic import AfterValidator, Field, StrictFloat, StrictInt, WithJsonSchema
+
+from embed_service.images.inputs import TEXT, ImageInput, InputItemError, classify
 
 _TEXT = {"type": "string", "minLength": 1}
 TEXTS_SCHEMA = {"type": "array", "minItems": 1, "items": _TEXT}
@@ -18,11 +21,55 @@ _TOKEN_IDS = {
     "minItems": 1,
     "items": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1},
 }
+_IMAGE_URL = {"type": "string", "minLength": 1, "description": "data:image/...;base64,... (or bare base64)"}
+_ITEM = {
+    "anyOf": [
+        _TEXT,
+        {
+            "type": "object",
+            "required": ["type", "text"],
+            "properties": {"type": {"const": "text"}, "text": _TEXT},
+        },
+        {
+            "type": "object",
+            "required": ["type", "image_url"],
+            "properties": {
+                "type": {"const": "image_url"},
+                "image_url": {
+                    "anyOf": [
+                        _IMAGE_URL,
+                        {"type": "object", "required": ["url"], "properties": {"url": _IMAGE_URL}},
+                    ]
+                },
+            },
+        },
+        {
+            "type": "object",
+            "required": ["text"],
+            "properties": {"text": _TEXT},
+            "additionalProperties": False,
+        },
+        {
+            "type": "object",
+            "required": ["image"],
+            "properties": {"image": _IMAGE_URL},
+            "additionalProperties": False,
+        },
+    ]
+}
 EMBED_INPUT = WithJsonSchema(
     {
-        "anyOf": [_TEXT, TEXTS_SCHEMA, _TOKEN_IDS, {"type": "array", "minItems": 1, "items": _TOKEN_IDS}],
-        "description": "A text, a list of texts, a list of token ids, or a list of token-id lists. At most "
-        "--max-client-batch-size inputs; token ids must lie in the model's vocabulary.",
+        "anyOf": [
+            _TEXT,
+            TEXTS_SCHEMA,
+            _TOKEN_IDS,
+            {"type": "array", "minItems": 1, "items": _TOKEN_IDS},
+            {"type": "array", "minItems": 1, "items": _ITEM},
+        ],
+        "description": "A text, a list of texts, a list of token ids, or a list of token-id lists; for an "
+        "image model (CLIP, SigLIP) also a list of texts and images, as OpenAI content parts or Jina objects "
+        "(docs/api.md, Images). At most --max-client-batch-size inputs; token ids must lie in the model's "
+        "vocabulary.",
     }
 )
 TEXT_INPUT = WithJsonSchema({"anyOf": [_TEXT, TEXTS_SCHEMA], "description": "A text or a list of texts."})
@@ -77,8 +124,19 @@ Threshold = Annotated[
 """A weight threshold: a finite number >= 0 (float32's largest at most)."""
 
 
-def check_input(v: Any) -> list[str] | list[list[int]]:
-    """A string, a list of strings, a list of token ids, or a list of token-id lists -> a list of inputs."""
+def _image_object(v: Any) -> bool:
+    """An image as the Python API takes it: bytes, a path, a PIL image (or one already wrapped)."""
+    return isinstance(v, (bytes, bytearray, Path, ImageInput)) or type(v).__module__.startswith("PIL.")
+
+
+def check_input(v: Any) -> list[str] | list[list[int]] | list[str | ImageInput]:
+    """A string, a list of strings, a list of token ids, or a list of token-id lists -> a list of inputs;
+    a list of items with objects among them (content parts, Jina's objects; images in the Python API) -> its
+    texts and ImageInputs, or its texts alone when it holds no image."""
+    if _image_object(v):
+        v = [v]
+    if isinstance(v, list) and any(isinstance(x, dict) or _image_object(x) for x in v):
+        return _items(v)
     if isinstance(v, str):
         v = [v]
     elif not isinstance(v, list):
@@ -109,12 +167,30 @@ def check_input(v: Any) -> list[str] | list[list[int]]:
     raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
 
 
+def _items(v: list[Any]) -> list[str] | list[str | ImageInput]:
+    out: list[str | ImageInput] = []
+    for i, x in enumerate(v):
+        if _image_object(x):
+            out.append(x if isinstance(x, ImageInput) else ImageInput(x))
+            continue
+        try:
+            kind, value = classify(x, f"item {i}")
+        except InputItemError as exc:
+            raise ValueError(str(exc)) from None
+        if kind == TEXT and not value:
+            raise ValueError(f"item {i} is an empty string")
+        out.append(value if kind == TEXT else ImageInput(value))
+    if not any(isinstance(x, ImageInput) for x in out):
+        return cast(list[str], out)
+    return out
+
+
 def check_texts(v: Any, refusal: str) -> list[str]:
     """`check_input` for a field of texts only: token ids are refused with `refusal`."""
     out = check_input(v)
-    if not isinstance(out[0], str):
+    if not all(isinstance(x, str) for x in out):  # token ids, or images
         raise ValueError(refusal)
-    return out
+    return cast(list[str], out)
 
 
 _NUMBER = {"type": "number", "minimum": -MAX_FLOAT32, "maximum": MAX_FLOAT32}

@@ -237,6 +237,10 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
     run(ids, lengths, everything * len(lengths))  # the largest batch serving forms: an OOM shows now
     longest_s = time.perf_counter() - t1  # first use included: an upper bound for the shape
     run(np.ones(32, dtype=np.int32), np.array([16, 16], dtype=np.int32), everything * 2)
+    if spec.image_processor is not None:  # a CLIP or SigLIP model: its vision tower's first use too
+        n = spec.tokens_per_image
+        blank = np.zeros((3, *spec.image_processor.output_size), np.float32).tobytes()
+        run(np.zeros(n, dtype=np.int32), np.array([n], dtype=np.int32), [OutputRequest(pixels=blank)])
     say(f"warm-up done in {time.perf_counter() - t1:.1f}s ({int(ids.size)} tokens)")
 
     dense = OutputRequest(frozenset({DENSE}))

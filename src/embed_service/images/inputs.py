@@ -1,0 +1,155 @@
+"""Image inputs as the routes and the Python API take them, to what the batcher carries.
+
+An input item is a text or an image: a plain string, or an object in one of the shapes other servers take,
+the OpenAI chat content part (``{"type": "text", "text": ...}``, ``{"type": "image_url", "image_url":
+{"url": "data:image/png;base64,..."}}``, the url also as a bare string) and Jina's (``{"text": ...}``,
+``{"image": "<data URL or base64>"}``). An image becomes pixel values here, in the front end (decode.py,
+preprocess.py), bounded before it is paid for; the batcher carries it as a sequence of placeholder ids as
+long as its vision-tower tokens (its cost), its pixels in its OutputRequest.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+from embed_service.images.decode import (
+    ImageError,
+    ImageLimits,
+    RequestBudget,
+    decode_base64,
+    load_rgb,
+)
+from embed_service.images.preprocess import ImageProcessor
+
+TEXT, IMAGE = "text", "image"
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One image among a request's inputs: a data URL or base64 string (the routes), or bytes, a path or a
+    PIL image (the Python API). A request's input list holds these beside its texts."""
+
+    source: Any
+
+
+class InputItemError(ValueError):
+    """An input item of no known shape."""
+
+
+def classify(item: Any, what: str) -> tuple[str, Any]:
+    """(TEXT, str) or (IMAGE, source) for one input item; the source is a data URL or base64 string."""
+    if isinstance(item, str):
+        return TEXT, item
+    if not isinstance(item, dict):
+        raise InputItemError(f"{what}: expected a string or an object with a text or an image")
+    kind = item.get("type")
+    if kind == "text" and isinstance(item.get("text"), str):
+        return TEXT, item["text"]
+    if kind == "image_url":
+        url = item.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if isinstance(url, str):
+            return IMAGE, url
+        raise InputItemError(
+            f'{what}: an image_url part needs "image_url": {{"url": "data:image/...;base64,..."}}'
+        )
+    if kind is None and set(item) == {"text"} and isinstance(item["text"], str):
+        return TEXT, item["text"]
+    if kind is None and set(item) == {"image"} and isinstance(item["image"], str):
+        return IMAGE, item["image"]
+    raise InputItemError(
+        f'{what}: unknown input object; send a string, {{"type": "text", "text": ...}}, {{"type": "image_url", '
+        '"image_url": {"url": ...}}, {"text": ...} or {"image": ...}'
+    )
+
+
+@dataclass
+class ImageStats:
+    """What one request's images cost: counted into the metrics by the caller."""
+
+    images: int = 0
+    bytes: int = 0
+    decode_seconds: float = 0.0
+
+
+@dataclass
+class ImagePreparer:
+    """One model's image inputs to pixel values (float32 (3, H, W) bytes), within `limits`."""
+
+    processor: ImageProcessor
+    tokens_per_image: int
+    limits: ImageLimits = field(default_factory=ImageLimits)
+
+    def request(self) -> RequestBudget:
+        return RequestBudget(self.limits)
+
+    def pixels(self, source: Any, what: str, budget: RequestBudget, stats: ImageStats | None = None) -> bytes:
+        """A data URL / base64 string, raw bytes, a path, or a PIL image -> preprocessed pixel bytes.
+
+        Strings, bytes and paths are encoded images: decoded as transformers' load_image decodes them (EXIF
+        orientation, RGB). A PIL image is taken as it is, as the image processor takes it.
+        """
+        t0 = time.perf_counter()
+        if isinstance(source, Image.Image):
+            width, height = source.size
+            if width * height > self.limits.max_pixels:
+                raise ImageError(
+                    f"{what}: {width}x{height} = {width * height} pixels; the limit is "
+                    f"{self.limits.max_pixels} pixels (--max-image-pixels)"
+                )
+            picture = source
+            size = 0
+        else:
+            data = self._bytes(source, what)
+            budget.take(len(data), what)
+            picture, size = load_rgb(data, what, self.limits), len(data)
+        out = self.processor(picture).tobytes()
+        if stats is not None:
+            stats.images += 1
+            stats.bytes += size
+            stats.decode_seconds += time.perf_counter() - t0
+        return out
+
+    def placeholder(self) -> list[int]:
+        """The ids an image's sequence carries through the batcher: as many as its vision-tower tokens."""
+        return [0] * self.tokens_per_image
+
+    def _bytes(self, source: Any, what: str) -> bytes:
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            return bytes(source)
+        if isinstance(source, Path):
+            size = source.stat().st_size
+            if size > self.limits.max_bytes:
+                raise ImageError(
+                    f"{what}: {size} bytes; the limit is {self.limits.max_bytes} bytes per image (--max-image-bytes)"
+                )
+            return source.read_bytes()
+        if isinstance(source, str):
+            return decode_base64(source, what, self.limits)
+        raise ImageError(f"{what}: an image must be a data URL, base64, bytes, a path or a PIL image")
+
+
+def items(values: list[Any], what: str = "input") -> list[Any]:
+    """A request's input items -> texts (str) and ImageInput, in order (see `classify`)."""
+    out: list[Any] = []
+    for i, item in enumerate(values):
+        kind, value = classify(item, f"{what} {i}")
+        out.append(value if kind == TEXT else ImageInput(value))
+    return out
+
+
+__all__ = [
+    "IMAGE",
+    "TEXT",
+    "ImageError",
+    "ImageInput",
+    "ImagePreparer",
+    "ImageStats",
+    "InputItemError",
+    "classify",
+]
