@@ -42,7 +42,7 @@ unit: $(VENV)/.installed-dev
 
 test: lint typecheck unit
 
-# The side-by-side comparison (~45 min on 2 busy cores; not part of `make test`): docs/performance.md and its
+# The side-by-side comparison (~30 min on 2 busy cores; not part of `make test`): docs/performance.md and its
 # plot. The peers (sentence-transformers' CPU backends, Infinity, the decoder's folder) are set up on first use
 # in $(EMBED_PEERS) (default ../peers beside the shared folder), outside the repository.
 bench: $(VENV)/.installed-dev

@@ -4,14 +4,15 @@ Contenders: embed-service at default settings (``--dtype auto``) and in exact mo
 HTTP; sentence-transformers with each of its CPU backends in process (torch float32 and bfloat16, ONNX
 Runtime plain / O3 / dynamic int8, OpenVINO; benchmarks/peers.py, a fresh process of the peers' own virtual
 environment per contender and round); the Infinity server (``../shared/peers/infinity.sh``); and a decoder,
-SmolLM2-135M-Instruct, served and against sentence-transformers torch bfloat16 and OpenVINO on the same
-texts. Every round also measures the bf16 matmul bound of each model's layer shapes (2 threads), so each
-throughput is quoted as a fraction of a bound taken in the same rounds. The machines this runs on are shared
-and noisy, so every round runs every contender once, in rotating order, and the report quotes medians over
-rounds and ratios of medians, with the load average at the start and the end.
+SmolLM2-135M-Instruct, served and against sentence-transformers torch bfloat16 and OpenVINO (default
+precision, and a float32 precision hint) on the same texts. Every round also measures the bf16 matmul
+bound of each model's layer shapes (2 threads), so each throughput is quoted as a fraction of a bound taken
+in the same rounds. The machines this runs on are shared and noisy, so every round runs every contender
+once, in rotating order, and the report quotes medians over rounds and ratios of medians, with the load
+average at the start and the end.
 
-    python benchmarks/compare.py                      # the full run (~45 min on 2 busy cores)
-    python benchmarks/compare.py --quick              # a smoke run (~10 min)
+    python benchmarks/compare.py                      # the full run (~30 min on 2 busy cores)
+    python benchmarks/compare.py --quick              # a smoke run (~15 min)
 
 The peers' environments, exports and the decoder's float32 folder live outside the repository, in
 ``$EMBED_PEERS`` (default ``../peers`` beside ``$EMBED_SHARED``), and are set up on first use (the package
@@ -226,10 +227,15 @@ def main() -> int:
     ap.add_argument("--skip-infinity", action="store_true")
     ap.add_argument("--skip-decoder", action="store_true")
     ap.add_argument("--update-docs", action="store_true", help="write the tables into docs/performance.md")
-    ap.add_argument("--render-only", action="store_true", help="re-render results/compare.json, run nothing")
+    ap.add_argument(
+        "--render-only",
+        action="store_true",
+        help="re-render results/compare.json into compare.md (and the docs), run nothing",
+    )
     args = ap.parse_args()
     if args.render_only:
         table = compare_report.render(json.loads((RESULTS / "compare.json").read_text()))
+        (RESULTS / "compare.md").write_text(table)
         print(table)
         if args.update_docs:
             compare_report.update_docs(ROOT / "docs" / "performance.md", table)

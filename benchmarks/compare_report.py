@@ -34,6 +34,8 @@ PEERS = [key for _, mode, key, _ in ENCODER_ROWS if key.startswith("st-")]
 DECODER_ROWS = [
     ("sentence-transformers, torch bfloat16", "in process, batch 32", "dec-st-torch-bf16|encode", "dec-st-torch-bf16"),
     ("sentence-transformers, OpenVINO", "in process, batch 32", "dec-st-openvino|encode", "dec-st-openvino"),
+    ("sentence-transformers, OpenVINO, f32 precision hint", "in process, batch 32", "dec-st-openvino-f32|encode",
+     "dec-st-openvino-f32"),
     ("embed-service (auto: bf16)", "bulk: 32/request, c=4, float", "dec-ours|bulk-float", "dec-ours"),
 ]  # fmt: skip
 DECODER_PEERS = [key for _, _, key, _ in DECODER_ROWS if key.startswith("dec-st-")]
@@ -103,7 +105,8 @@ def side_by_side(f: Figures, rows: list, model: str, ref_key: str) -> list[str]:
             v, ref = f.rate(key, c), f.rate(ref_key, c)
             digits = ",.1f" if v is not None and v < 100 else ",.0f"
             cells += [fmt(v, digits), f"{v / ref:.2f}x" if v and ref else "n/a"]
-        cos = " / ".join(fmt(f.cosine(acc, c), ".5f") for c in CORPORA)
+        # NaN: the contender's vectors were NaN (not the same model, whatever its speed).
+        cos = " / ".join(fmt(f.cosine(acc, c), ".5f").replace("nan", "NaN vectors") for c in CORPORA)
         frac = " / ".join(fmt(f.fraction(model, key, c), ".0%") for c in CORPORA)
         bold = "**" if key == ref_key else ""
         lines.append(f"| {bold}{name}{bold} | {mode} | {' | '.join(cells)} | {cos} | {frac} |")

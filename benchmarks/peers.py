@@ -29,7 +29,7 @@ PEERS = Path(os.environ.get("EMBED_PEERS", SHARED.resolve().parent / "peers"))
 ST_VENV = PEERS / "st-backends"
 ST_EXPORTS = PEERS / "st-exports"
 ENCODER_BACKENDS = ("torch-fp32", "torch-bf16", "onnx", "onnx-O3", "onnx-qint8", "openvino")
-DECODER_BACKENDS = ("torch-bf16", "openvino")  # and torch-fp32 once, as the reference
+DECODER_BACKENDS = ("torch-bf16", "openvino", "openvino-f32")  # and torch-fp32 once, as the reference
 BOUND_TOKENS = 4096
 
 

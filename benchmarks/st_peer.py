@@ -48,7 +48,16 @@ def main() -> int:
 
     os.makedirs(a.exports, exist_ok=True)
     os.makedirs(a.out, exist_ok=True)
-    model = load(a.backend, a.model, a.exports)
+    if a.backend == "openvino-f32":
+        # OpenVINO computes in bf16 where the CPU has it (its default precision hint); a decoder can come out
+        # all NaN that way. The same export with float32 inference precision.
+        from sentence_transformers import SentenceTransformer
+
+        load("openvino", a.model, a.exports)  # makes the export once
+        model = SentenceTransformer(os.path.join(a.exports, "openvino"), backend="openvino",
+                                    model_kwargs={"ov_config": {"INFERENCE_PRECISION_HINT": "f32"}})  # fmt: skip
+    else:
+        model = load(a.backend, a.model, a.exports)
     result: dict = {"threads": torch.get_num_threads(), "max_seq_length": model.max_seq_length}
     for spec in a.corpora:
         name, path = spec.split("=", 1)
