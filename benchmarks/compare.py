@@ -227,6 +227,9 @@ def main() -> int:
     ap.add_argument("--skip-infinity", action="store_true")
     ap.add_argument("--skip-decoder", action="store_true")
     ap.add_argument("--update-docs", action="store_true", help="write the tables into docs/performance.md")
+    ap.add_argument("--only", help="run only the contenders whose labels start so (comma list, e.g. dec-,bound); "
+                    "no latency or sweep phase")  # fmt: skip
+    ap.add_argument("--name", default="compare", help="the result files: results/NAME.json and NAME.md")
     ap.add_argument(
         "--render-only",
         action="store_true",
@@ -234,8 +237,8 @@ def main() -> int:
     )
     args = ap.parse_args()
     if args.render_only:
-        table = compare_report.render(json.loads((RESULTS / "compare.json").read_text()))
-        (RESULTS / "compare.md").write_text(table)
+        table = compare_report.render(json.loads((RESULTS / f"{args.name}.json").read_text()))
+        (RESULTS / f"{args.name}.md").write_text(table)
         print(table)
         if args.update_docs:
             compare_report.update_docs(ROOT / "docs" / "performance.md", table)
@@ -258,10 +261,10 @@ def main() -> int:
             s.stop()
     result["meta"]["wall_s"] = round(time.time() - started)
     result["meta"]["load_average"] = {"start": load_start, "end": load_average()}
-    out = RESULTS / "compare.json"
+    out = RESULTS / f"{args.name}.json"
     out.write_text(json.dumps(result, indent=1))
     table = compare_report.render(result)
-    (RESULTS / "compare.md").write_text(table)
+    (RESULTS / f"{args.name}.md").write_text(table)
     print(table)
     if args.update_docs:
         compare_report.update_docs(ROOT / "docs" / "performance.md", table)
@@ -345,6 +348,8 @@ def run_all(
         return {f"bound|{m}|tflops": {"texts_per_s": v} for m, v in b.items()}
 
     jobs.append(("bound", bound))
+    if args.only:
+        jobs = [j for j in jobs if j[0].startswith(tuple(args.only.split(",")))]
 
     runs: dict[str, list[dict]] = {}
     for r in range(args.rounds):
@@ -368,10 +373,16 @@ def run_all(
             log(f"{name}: failed: {exc!r}")
             return {}
 
-    latency = phase(
-        "latency: idle, then under a saturating bulk load", lambda: latency_runs(servers, corpus, args)
+    latency = (
+        {}
+        if args.only
+        else phase(
+            "latency: idle, then under a saturating bulk load", lambda: latency_runs(servers, corpus, args)
+        )
     )
-    sweep = phase("concurrency sweep", lambda: sweep_runs(servers, corpus["queries"], args))
+    sweep = (
+        {} if args.only else phase("concurrency sweep", lambda: sweep_runs(servers, corpus["queries"], args))
+    )
     accuracy = phase(
         "accuracy", lambda: accuracy_runs(servers, corpus, vectors, dec_corpus, decoder, corpus_files, args)
     )
