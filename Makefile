@@ -42,7 +42,9 @@ unit: $(VENV)/.installed-dev
 
 test: lint typecheck unit
 
-# The side-by-side comparison (~15 min on 2 cores; not part of `make test`): docs/performance.md and its plot.
+# The side-by-side comparison (~30 min on 2 busy cores; not part of `make test`): docs/performance.md and its
+# plot. The peers (sentence-transformers' CPU backends, Infinity, the decoder's folder) are set up on first use
+# in $(EMBED_PEERS) (default ../peers beside the shared folder), outside the repository.
 bench: $(VENV)/.installed-dev
 	$(BIN)/python benchmarks/compare.py --update-docs $(BENCH_ARGS)
 	$(BIN)/python benchmarks/plot.py

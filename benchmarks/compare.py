@@ -1,16 +1,24 @@
-"""This server side by side with what a user would otherwise run, in one run, on the same texts.
+"""This server side by side with what a user would otherwise run on a CPU, in one run, on the same texts.
 
-Contenders: embed-service at default settings (``--dtype auto``) and in exact mode (``--dtype float32``),
-``SentenceTransformer.encode`` in this process (batch 32, float32, its own length sorting), and the Infinity
-server (``../shared/peers/infinity.sh``; skipped with a note when it cannot be set up). The machines this
-runs on are shared and noisy, so every round runs every contender once, in rotating order, and the report
-quotes medians over rounds and ratios of medians.
+Contenders: embed-service at default settings (``--dtype auto``) and in exact mode (``--dtype float32``) over
+HTTP; sentence-transformers with each of its CPU backends in process (torch float32 and bfloat16, ONNX
+Runtime plain / O3 / dynamic int8, OpenVINO; benchmarks/peers.py, a fresh process of the peers' own virtual
+environment per contender and round); the Infinity server (``../shared/peers/infinity.sh``); and a decoder,
+SmolLM2-135M-Instruct, served and against sentence-transformers torch bfloat16 and OpenVINO (default
+precision, and a float32 precision hint) on the same texts. Every round also measures the bf16 matmul
+bound of each model's layer shapes (2 threads), so each throughput is quoted as a fraction of a bound taken
+in the same rounds. The machines this runs on are shared and noisy, so every round runs every contender
+once, in rotating order, and the report quotes medians over rounds and ratios of medians, with the load
+average at the start and the end.
 
-    python benchmarks/compare.py                      # the full run (~15 min on 2 cores)
-    python benchmarks/compare.py --quick              # a smoke run (~3 min)
+    python benchmarks/compare.py                      # the full run (~30 min on 2 busy cores)
+    python benchmarks/compare.py --quick              # a smoke run (~15 min)
 
-Writes benchmarks/results/compare.json (every run), compare.md (the table) and, with --update-docs, the
-table into docs/performance.md between its markers; benchmarks/plot.py draws the PNG from the JSON.
+The peers' environments, exports and the decoder's float32 folder live outside the repository, in
+``$EMBED_PEERS`` (default ``../peers`` beside ``$EMBED_SHARED``), and are set up on first use (the package
+index once; offline afterwards). Writes benchmarks/results/compare.json (every run), compare.md (the tables)
+and, with --update-docs, the tables into docs/performance.md between its markers; benchmarks/plot.py draws
+the PNG from the JSON.
 """
 
 from __future__ import annotations
@@ -21,21 +29,27 @@ import os
 import platform
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from embed_service import bench
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare_report  # noqa: E402
+import peers  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("EMBED_SHARED", ROOT.parent / "shared"))
+from embed_service import bench  # noqa: E402
+
+ROOT = peers.ROOT
+SHARED = peers.SHARED
 RESULTS = ROOT / "benchmarks" / "results"
 MODEL_NAME = "all-MiniLM-L6-v2"
-CORPORA = ("queries", "passages")
+DECODER_NAME = "SmolLM2-135M-Instruct"
+DECODER_MAX_LENGTH = 256  # the same cut for the server and sentence-transformers (sentence_bert_config)
+CORPORA = compare_report.CORPORA
 BULK = {"inputs_per_request": 32, "concurrency": 4}
 ONLINE = {"inputs_per_request": 1, "concurrency": 32}
 SWEEP = (1, 4, 16, 32, 64)
@@ -60,17 +74,20 @@ def model_path() -> Path:
 class Server:
     """A server subprocess, ready when a one-text embedding request succeeds."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, cwd: Path = ROOT):
-        self.name, self.port = name, port
+    def __init__(
+        self, name: str, cmd: list[str], port: int, model: str = MODEL_NAME, env: dict | None = None
+    ):
+        self.name, self.port, self.model = name, port, model
         self.url = f"http://127.0.0.1:{port}/v1/embeddings"
         self.log_path = RESULTS / f"{name}.log"
         self.proc = subprocess.Popen(
-            cmd, cwd=cwd, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True
-        )
+            cmd, cwd=ROOT, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )  # fmt: skip
 
     def wait(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        body = json.dumps({"input": ["warm up"], "model": MODEL_NAME}).encode()
+        body = json.dumps({"input": ["warm up"], "model": self.model}).encode()
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return False
@@ -90,22 +107,26 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-def start_servers(skip_infinity: bool) -> dict[str, Server]:
+def start_servers(args: argparse.Namespace, decoder: Path | None) -> dict[str, Server]:
     py = sys.executable
+    serve = [py, "-m", "embed_service", "serve"]
     servers = {
-        "ours": Server("ours", [py, "-m", "embed_service", "serve", "--port", str(p := free_port())], p),
+        "ours": Server("ours", [*serve, "--port", str(p := free_port())], p),
         "ours-exact": Server(
-            "ours-exact",
-            [py, "-m", "embed_service", "serve", "--dtype", "float32", "--port", str(p2 := free_port())],
-            p2,
+            "ours-exact", [*serve, "--dtype", "float32", "--port", str(p2 := free_port())], p2
         ),
     }
+    if decoder is not None:
+        cmd = [*serve, "--model", str(decoder), "--served-model-name", DECODER_NAME,
+               "--max-input-length", str(DECODER_MAX_LENGTH), "--port", str(p4 := free_port())]  # fmt: skip
+        servers["decoder"] = Server("decoder", cmd, p4, DECODER_NAME)
     script = SHARED / "peers" / "infinity.sh"
-    if not skip_infinity and script.exists():
+    if not args.skip_infinity and script.exists():
         p3 = free_port()
         servers["infinity"] = Server(
-            "infinity", ["bash", str(script), str(model_path()), str(p3), MODEL_NAME], p3
-        )
+            "infinity", ["bash", str(script), str(model_path()), str(p3), MODEL_NAME], p3,
+            env={"PEER_VENV": str(peers.PEERS / "infinity")},
+        )  # fmt: skip
     for name, s in list(servers.items()):
         # Infinity installs its own virtual environment the first time: minutes.
         if not s.wait(900 if name == "infinity" else 300):
@@ -115,34 +136,13 @@ def start_servers(skip_infinity: bool) -> dict[str, Server]:
     return servers
 
 
-class STContender:
-    """SentenceTransformer.encode in this process, as the shared baseline runs it."""
-
-    def __init__(self) -> None:
-        import torch
-        from sentence_transformers import SentenceTransformer
-
-        self.model = SentenceTransformer(str(model_path()), device="cpu")
-        self.threads = torch.get_num_threads()
-
-    def run(self, texts: list[str]) -> dict[str, Any]:
-        self.model.encode(texts[:64], batch_size=32)  # warm-up
-        t = time.perf_counter()
-        self.model.encode(texts, batch_size=32, convert_to_numpy=True)
-        dt = time.perf_counter() - t
-        return {"texts_per_s": len(texts) / dt, "seconds": dt}
-
-    def embed(self, texts: list[str]):
-        return self.model.encode(texts, batch_size=32, convert_to_numpy=True, normalize_embeddings=True)
-
-
 def load_run(
-    url: str, texts: list[str], shape: dict[str, int], encoding_format: str, duration: float
-) -> dict[str, Any]:
-    bodies = bench.make_bodies(texts, shape["inputs_per_request"], encoding_format, MODEL_NAME)
-    spec = bench.LoadSpec(url, bodies, shape["inputs_per_request"], shape["concurrency"], duration)
+    server: Server, texts: list[str], shape: dict[str, int], encoding_format: str, duration: float
+) -> dict:
+    bodies = bench.make_bodies(texts, shape["inputs_per_request"], encoding_format, server.model)
+    spec = bench.LoadSpec(server.url, bodies, shape["inputs_per_request"], shape["concurrency"], duration)
     r = bench.run_load(spec)
-    settle(url)
+    settle(server)
     return {
         "texts_per_s": r.requests_per_s * shape["inputs_per_request"],
         "requests_per_s": r.requests_per_s,
@@ -152,27 +152,45 @@ def load_run(
     }
 
 
-def settle(url: str, timeout: float = 600.0) -> None:
+def batch_run(server: Server, texts: list[str], shape: dict[str, int], requests: int) -> dict:
+    """A fixed amount of work instead of a time window (a decoder's bulk request can take longer than a
+    window): `requests` bodies of the texts, `concurrency` in flight, timed from the first send to the last
+    answer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bodies = bench.make_bodies(texts, shape["inputs_per_request"], "float", server.model)
+    t = time.perf_counter()
+    with ThreadPoolExecutor(shape["concurrency"]) as pool:
+        list(
+            pool.map(
+                lambda i: bench.post(server.url, bodies[i % len(bodies)], {}, timeout=1800), range(requests)
+            )
+        )
+    dt = time.perf_counter() - t
+    return {"texts_per_s": requests * shape["inputs_per_request"] / dt, "seconds": dt, "requests": requests}
+
+
+def settle(server: Server, timeout: float = 600.0) -> None:
     """Wait until the server has worked off what the load left queued (the client hangs up at the end of
     a run, but a server may still compute those requests): one small request, answered after them."""
     # Two 200-word inputs: bulk-lane sized (over --priority-max-tokens), so the probe itself does not look
     # like interactive traffic and switch the server's reserved replica to small batches for the next run.
-    body = json.dumps({"input": ["settle " * 200] * 2, "model": MODEL_NAME}).encode()
+    body = json.dumps({"input": ["settle " * 200] * 2, "model": server.model}).encode()
     try:
-        bench.post(url, body, {}, timeout=timeout)
+        bench.post(server.url, body, {}, timeout=timeout)
     except Exception as exc:
-        log(f"settle {url}: {exc}")
+        log(f"settle {server.url}: {exc}")
 
 
-def embed_all(url: str, texts: list[str], dtype_name: str) -> Any:
+def embed_all(server: Server, texts: list[str]) -> Any:
     import base64
 
     import numpy as np
 
     rows = []
-    for i in range(0, len(texts), 64):
-        body = json.dumps({"input": texts[i : i + 64], "model": MODEL_NAME, "encoding_format": "base64"})
-        out = bench.post(url, body.encode(), {})
+    for i in range(0, len(texts), 32):
+        body = json.dumps({"input": texts[i : i + 32], "model": server.model, "encoding_format": "base64"})
+        out = bench.post(server.url, body.encode(), {})
         rows += [np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in out["data"]]
     return np.stack(rows)
 
@@ -185,166 +203,276 @@ def min_cosine(a: Any, b: Any) -> float:
     return float((a * b).sum(1).min())
 
 
-def matmul_rate(tokens: int, hidden: int, intermediate: int, threads: int) -> float:
-    """Best bf16 TFLOP/s of (tokens x hidden) @ (hidden x intermediate), in a fresh process."""
-    code = f"""
-import time, torch
-torch.set_num_threads({threads})
-a = torch.randn({tokens}, {hidden}, dtype=torch.bfloat16); b = torch.randn({hidden}, {intermediate}, dtype=torch.bfloat16)
-for _ in range(5): a @ b
-best = min((lambda t: (a @ b, time.perf_counter() - t)[1])(time.perf_counter()) for _ in range(30))
-print(2 * {tokens} * {hidden} * {intermediate} / best / 1e12)
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return float(out.stdout.strip())
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
 
 
-def flops_per_token(config: dict[str, Any], mean_context: float) -> float:
-    """Forward FLOPs per token: the linear layers (2 per weight) plus attention (4 * context * hidden)."""
-    h, i, n = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
-    return n * (2 * (4 * h * h + 2 * h * i) + 4 * mean_context * h)
-
-
-def median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
+def cpu_info() -> dict[str, Any]:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    flags = fields.get("Flags", "").split()
+    keep = [f for f in flags if f.startswith(("avx", "amx")) or f in ("fma", "f16c")]
+    return {"model": fields.get("Model name", "").strip(), "cpus": os.cpu_count(), "flags": keep}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--texts", type=int, default=1000)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--texts", type=int, default=400)
+    ap.add_argument("--decoder-texts", type=int, default=64, help="texts per corpus for the decoder")
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--duration", type=float, default=8.0, help="seconds per load run")
-    ap.add_argument("--quick", action="store_true", help="1 round, 4 s runs, 200 texts, short sweep")
+    ap.add_argument(
+        "--quick", action="store_true", help="1 round, 4 s runs, 200 texts (32 decoder), short sweep"
+    )
     ap.add_argument("--skip-infinity", action="store_true")
-    ap.add_argument("--update-docs", action="store_true", help="write the table into docs/performance.md")
-    ap.add_argument("--render-only", action="store_true", help="re-render results/compare.json, run nothing")
+    ap.add_argument("--skip-decoder", action="store_true")
+    ap.add_argument("--update-docs", action="store_true", help="write the tables into docs/performance.md")
+    ap.add_argument("--only", help="run only the contenders whose labels start so (comma list, e.g. dec-,bound); "
+                    "no latency or sweep phase")  # fmt: skip
+    ap.add_argument("--name", default="compare", help="the result files: results/NAME.json and NAME.md")
+    ap.add_argument(
+        "--render-only",
+        action="store_true",
+        help="re-render results/compare.json into compare.md (and the docs), run nothing",
+    )
     args = ap.parse_args()
     if args.render_only:
-        table = render(json.loads((RESULTS / "compare.json").read_text()))
+        table = compare_report.render(json.loads((RESULTS / f"{args.name}.json").read_text()))
+        (RESULTS / f"{args.name}.md").write_text(table)
         print(table)
         if args.update_docs:
-            update_docs(table)
+            compare_report.update_docs(ROOT / "docs" / "performance.md", table)
         return 0
     if args.quick:
-        args.rounds, args.duration, args.texts = 1, 4.0, 200
+        args.rounds, args.duration, args.texts, args.decoder_texts = 1, 4.0, 200, 32
     RESULTS.mkdir(parents=True, exist_ok=True)
-    corpus = {c: bench.read_texts(SHARED / "bench" / "corpus" / f"{c}.jsonl", args.texts) for c in CORPORA}
-    started = time.time()
+    started, load_start = time.time(), load_average()
+    log(f"load average {load_start}; setting up the peers in {peers.PEERS}")
+    peers.ensure_st_venv()
+    decoder = None if args.skip_decoder else peers.decoder_dirs()
+    corpus_files = {c: SHARED / "bench" / "corpus" / f"{c}.jsonl" for c in CORPORA}
+    corpus = {c: bench.read_texts(f, args.texts) for c, f in corpus_files.items()}
     log("starting servers")
-    servers = start_servers(args.skip_infinity)
+    servers = start_servers(args, decoder[0] if decoder else None)
     try:
-        result = run_all(args, corpus, servers)
+        result = run_all(args, corpus, corpus_files, servers, decoder)
     finally:
         for s in servers.values():
             s.stop()
     result["meta"]["wall_s"] = round(time.time() - started)
-    out = RESULTS / "compare.json"
+    result["meta"]["load_average"] = {"start": load_start, "end": load_average()}
+    out = RESULTS / f"{args.name}.json"
     out.write_text(json.dumps(result, indent=1))
-    table = render(result)
-    (RESULTS / "compare.md").write_text(table)
+    table = compare_report.render(result)
+    (RESULTS / f"{args.name}.md").write_text(table)
     print(table)
     if args.update_docs:
-        update_docs(table)
-    log(f"wrote {out}")
+        compare_report.update_docs(ROOT / "docs" / "performance.md", table)
+    log(f"wrote {out} in {result['meta']['wall_s']} s")
     return 0
 
 
-def run_all(args: argparse.Namespace, corpus: dict[str, list[str]], servers: dict[str, Server]) -> dict:
-    ours = servers["ours"]
-    exact = servers["ours-exact"]
+Job = tuple[str, Callable[[], dict[str, dict]]]
+
+
+def peer_job(
+    label: str, model: Path, backend: str, exports: Path, files: dict[str, Path], n: int, out: Path
+) -> Job:
+    def job() -> dict[str, dict]:
+        r = peers.run_st(model, backend, exports, files, n, out)
+        return {f"{label}|encode|{c}": {**r[c], "threads": r["threads"]} for c in files}
+
+    return label, job
+
+
+def run_all(
+    args: argparse.Namespace,
+    corpus: dict[str, list[str]],
+    corpus_files: dict[str, Path],
+    servers: dict[str, Server],
+    decoder: tuple[Path, Path] | None,
+) -> dict:
+    ours, exact = servers["ours"], servers["ours-exact"]
     info = json.loads(subprocess.run(["curl", "-s", ours.url.replace("/v1/embeddings", "/info")],
                                      capture_output=True, text=True).stdout or "{}")  # fmt: skip
     tokens_per_text = {c: bench.count_tokens(exact.url, t, MODEL_NAME, {})[0] for c, t in corpus.items()}
     log(f"tokens per text: {tokens_per_text}")
-    log("loading sentence-transformers")
-    st = STContender()
-
-    # (contender, scenario, corpus) -> list of runs
-    runs: dict[str, list[dict]] = {}
-
-    def record(key: str, value: dict) -> None:
-        runs.setdefault(key, []).append(value)
-        log(f"{key}: {value['texts_per_s']:.1f} texts/s")
+    vectors = peers.vectors_dir()
+    configs = {"encoder": json.loads((model_path() / "config.json").read_text())}
 
     def span(c: str, shape: dict[str, int]) -> float:
         # A bulk passages request is ~5k tokens: give the run time to finish a fair number of them.
         return args.duration * (2 if c == "passages" and shape is BULK else 1)
 
-    jobs: list[tuple[str, Any]] = []
+    jobs: list[Job] = []
+    for kind in peers.ENCODER_BACKENDS:
+        out = vectors / f"st-{kind}"
+        jobs.append(
+            peer_job(f"st-{kind}", model_path(), kind, peers.ST_EXPORTS, corpus_files, args.texts, out)
+        )
     for c, texts in corpus.items():
-        jobs.append((f"st|encode|{c}", lambda texts=texts: st.run(texts)))
         for shape_name, shape in (("bulk", BULK), ("online", ONLINE)):
             for fmt in ("float", "base64"):
-                jobs.append(
-                    (
-                        f"ours|{shape_name}-{fmt}|{c}",
-                        lambda t=texts, s=shape, f=fmt, d=span(c, shape): load_run(ours.url, t, s, f, d),
-                    )
-                )
+                key = f"ours|{shape_name}-{fmt}|{c}"
+                jobs.append((key, lambda t=texts, s=shape, f=fmt, d=span(c, shape), k=key: {
+                    k: load_run(ours, t, s, f, d)}))  # fmt: skip
             if "infinity" in servers:
-                jobs.append(
-                    (
-                        f"infinity|{shape_name}-float|{c}",
-                        lambda t=texts, s=shape, d=span(c, shape): load_run(
-                            servers["infinity"].url, t, s, "float", d
-                        ),
-                    )
-                )
-        jobs.append(
-            (
-                f"ours-exact|bulk-float|{c}",
-                lambda t=texts, d=span(c, BULK): load_run(exact.url, t, BULK, "float", d),
-            )
-        )
-    for r in range(args.rounds):
-        log(f"round {r + 1}/{args.rounds}")
-        shift = (r * len(jobs)) // max(1, args.rounds)
-        for key, job in jobs[shift:] + jobs[:shift]:  # rotate: no contender always runs first
-            record(key, job())
+                key = f"infinity|{shape_name}-float|{c}"
+                jobs.append((key, lambda t=texts, s=shape, d=span(c, shape), k=key: {
+                    k: load_run(servers["infinity"], t, s, "float", d)}))  # fmt: skip
+        key = f"ours-exact|bulk-float|{c}"
+        jobs.append((key, lambda t=texts, d=span(c, BULK), k=key: {k: load_run(exact, t, BULK, "float", d)}))
+    dec_corpus: dict[str, list[str]] = {}
+    dec_tokens: dict[str, float | None] = {}
+    if decoder is not None and "decoder" in servers:
+        dec = servers["decoder"]
+        configs["decoder"] = json.loads((decoder[0] / "config.json").read_text())
+        dec_corpus = {c: t[: args.decoder_texts] for c, t in corpus.items()}
+        dec_tokens = {c: bench.count_tokens(dec.url, t, DECODER_NAME, {})[0] for c, t in dec_corpus.items()}
+        log(f"decoder tokens per text: {dec_tokens}")
+        dec_exports = peers.ST_EXPORTS / "smollm2"
+        for kind in peers.DECODER_BACKENDS:
+            out = vectors / f"dec-st-{kind}"
+            jobs.append(peer_job(f"dec-st-{kind}", decoder[1], kind, dec_exports, corpus_files, args.decoder_texts,
+                                 out))  # fmt: skip
+        for c, texts in dec_corpus.items():
+            key = f"dec-ours|bulk-float|{c}"
+            # As many texts as the peers encode, at least one request per slot in flight.
+            n = max(BULK["concurrency"], -(-len(texts) // BULK["inputs_per_request"]))
+            jobs.append((key, lambda t=texts, n=n, k=key: {k: batch_run(dec, t, BULK, n)}))
+    bounds: list[dict[str, float]] = []
 
-    log("latency: idle, then under a saturating bulk load")
-    latency = latency_runs(servers, corpus, args)
-    log("concurrency sweep")
-    sweep = sweep_runs(servers, corpus["queries"], args)
-    log("accuracy")
-    st_ref = {c: st.embed(t) for c, t in corpus.items()}
-    accuracy = {}
-    for c, texts in corpus.items():
-        fast, ref = embed_all(ours.url, texts, "auto"), embed_all(exact.url, texts, "float32")
-        accuracy[c] = {
-            "default_vs_float32": min_cosine(fast, ref),
-            "float32_vs_sentence_transformers": min_cosine(ref, st_ref[c]),
-            "default_vs_sentence_transformers": min_cosine(fast, st_ref[c]),
-        }
-    log("matmul bound")
-    with open(model_path() / "config.json") as f:
-        config = json.load(f)
-    # The bound for the whole server: every replica's threads together.
+    def bound() -> dict[str, dict]:
+        b = peers.matmul_bound(configs)
+        bounds.append(b)
+        return {f"bound|{m}|tflops": {"texts_per_s": v} for m, v in b.items()}
+
+    jobs.append(("bound", bound))
+    if args.only:
+        jobs = [j for j in jobs if j[0].startswith(tuple(args.only.split(",")))]
+
+    runs: dict[str, list[dict]] = {}
+    for r in range(args.rounds):
+        log(f"round {r + 1}/{args.rounds}, load average {load_average()}")
+        shift = (r * len(jobs)) // max(1, args.rounds)
+        for label, job in jobs[shift:] + jobs[:shift]:  # rotate: no contender always runs first
+            try:
+                got = job()
+            except Exception as exc:  # one contender failing leaves the others' figures standing
+                log(f"{label}: failed: {exc}")
+                continue
+            for key, value in got.items():
+                runs.setdefault(key, []).append(value)
+                log(f"{key}: {value['texts_per_s']:.2f}")
+
+    def phase(name: str, fn: Callable[[], dict]) -> dict:
+        log(name)
+        try:
+            return fn()
+        except Exception as exc:  # the rounds' figures are written even if a later phase fails
+            log(f"{name}: failed: {exc!r}")
+            return {}
+
+    latency = (
+        {}
+        if args.only
+        else phase(
+            "latency: idle, then under a saturating bulk load", lambda: latency_runs(servers, corpus, args)
+        )
+    )
+    sweep = (
+        {} if args.only else phase("concurrency sweep", lambda: sweep_runs(servers, corpus["queries"], args))
+    )
+    accuracy = phase(
+        "accuracy", lambda: accuracy_runs(servers, corpus, vectors, dec_corpus, decoder, corpus_files, args)
+    )
     threads = int(info.get("num_threads") or 1) * int(info.get("data_parallel_size") or 1)
-    shape = (4096, config["hidden_size"], config["intermediate_size"])
-    rate = matmul_rate(*shape, threads)
     return {
         "meta": {
             "host": platform.node(),
+            "cpu": cpu_info(),
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "texts": args.texts,
+            "decoder_texts": args.decoder_texts if dec_corpus else 0,
             "rounds": args.rounds,
             "duration_s": args.duration,
             "tokens_per_text": tokens_per_text,
+            "decoder_tokens_per_text": dec_tokens,
             "server_info": info,
-            "st_threads": st.threads,
+            "server_threads": threads,
             "client": bench.run_load.__module__ + (" (wrk)" if bench.shutil.which("wrk") else " (python)"),
             "client_ceiling": ceilings(corpus["queries"], args),
             "contenders": sorted({k.split("|")[0] for k in runs}),
-            "model_config": {k: config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers")},
+            "model_config": {
+                k: configs["encoder"][k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers")
+            },
+            "configs": configs,
+            "peers": str(peers.PEERS),
         },
         "runs": runs,
         "latency": latency,
         "sweep": sweep,
         "accuracy": accuracy,
-        "matmul": {"shape": shape, "tflops": rate, "threads": threads},
+        "matmul": {
+            "tokens": peers.BOUND_TOKENS,
+            "threads": 2,
+            "rounds": bounds,
+            "shapes": {m: peers.linear_shapes(c) for m, c in configs.items()},
+        },  # fmt: skip
     }
+
+
+def accuracy_runs(
+    servers: dict[str, Server],
+    corpus: dict[str, list[str]],
+    vectors: Path,
+    dec_corpus: dict[str, list[str]],
+    decoder: tuple[Path, Path] | None,
+    corpus_files: dict[str, Path],
+    args: argparse.Namespace,
+) -> dict:
+    """Minimum cosine over every text against float32 (sentence-transformers torch float32 for the peers,
+    the float32 server for the default server, both for the float32 server)."""
+    import numpy as np
+
+    out: dict[str, dict[str, float]] = {}
+    for c, texts in corpus.items():
+        ref_path = vectors / "st-torch-fp32" / f"{c}.npy"
+        if not ref_path.is_file():
+            continue
+        ref = np.load(ref_path)
+        fast, exact = embed_all(servers["ours"], texts), embed_all(servers["ours-exact"], texts)
+        out.setdefault("ours", {})[c] = min_cosine(fast, exact)
+        out.setdefault("ours_vs_st", {})[c] = min_cosine(fast, ref)
+        out.setdefault("ours-exact", {})[c] = min_cosine(exact, ref)
+        for kind in peers.ENCODER_BACKENDS:
+            f = vectors / f"st-{kind}" / f"{c}.npy"
+            if f.is_file():
+                out.setdefault(f"st-{kind}", {})[c] = min_cosine(np.load(f), ref)
+    if dec_corpus and decoder is not None and "decoder" in servers:
+        log("decoder reference: sentence-transformers torch float32")
+        ref_dir = vectors / "dec-st-torch-fp32"
+        try:
+            peers.run_st(
+                decoder[1],
+                "torch-fp32",
+                peers.ST_EXPORTS / "smollm2",
+                corpus_files,
+                args.decoder_texts,
+                ref_dir,
+            )
+        except Exception as exc:
+            log(f"decoder reference failed: {exc}")
+            return out
+        for c, texts in dec_corpus.items():
+            ref = np.load(ref_dir / f"{c}.npy")
+            out.setdefault("dec-ours", {})[c] = min_cosine(embed_all(servers["decoder"], texts), ref)
+            for kind in peers.DECODER_BACKENDS:
+                f = vectors / f"dec-st-{kind}" / f"{c}.npy"
+                if f.is_file():
+                    out.setdefault(f"dec-st-{kind}", {})[c] = min_cosine(np.load(f), ref)
+    return out
 
 
 def ceilings(texts: list[str], args: argparse.Namespace) -> dict[str, float]:
@@ -368,18 +496,18 @@ def latency_runs(servers: dict[str, Server], corpus: dict[str, list[str]], args:
     out: dict[str, dict[str, list]] = {}
     for r in range(args.rounds):
         for name in [n for n in ("ours", "infinity") if n in servers]:
-            url = servers[name].url
-            idle = load_run(url, corpus["queries"], probe_shape, "float", args.duration)
+            server = servers[name]
+            idle = load_run(server, corpus["queries"], probe_shape, "float", args.duration)
             loaded: dict[str, Any] = {}
             bulk_result: dict[str, Any] = {}
 
-            def saturate(url: str = url, bulk_result: dict = bulk_result) -> None:
-                bulk_result.update(load_run(url, corpus["passages"], BULK, "float", args.duration + 4))
+            def saturate(server: Server = server, bulk_result: dict = bulk_result) -> None:
+                bulk_result.update(load_run(server, corpus["passages"], BULK, "float", args.duration + 4))
 
             t = threading.Thread(target=saturate)
             t.start()
             time.sleep(2)
-            loaded = load_run(url, corpus["queries"], probe_shape, "float", args.duration)
+            loaded = load_run(server, corpus["queries"], probe_shape, "float", args.duration)
             t.join()
             entry = out.setdefault(name, {"idle": [], "loaded": [], "bulk": []})
             entry["idle"].append(idle)
@@ -399,131 +527,12 @@ def sweep_runs(servers: dict[str, Server], texts: list[str], args: argparse.Name
     for c in levels:
         for name in [n for n in ("ours", "ours-exact", "infinity") if n in servers]:
             run = load_run(
-                servers[name].url, texts, {"inputs_per_request": 1, "concurrency": c}, "float",
+                servers[name], texts, {"inputs_per_request": 1, "concurrency": c}, "float",
                 max(3.0, args.duration / 2),
             )  # fmt: skip
             out.setdefault(name, {}).setdefault(str(c), []).append(run)
             log(f"sweep {name} c={c}: {run['texts_per_s']:.1f} texts/s p99 {run['latency_ms']['p99']:.1f} ms")
     return out
-
-
-def summarize(result: dict) -> dict[str, Any]:
-    runs = result["runs"]
-    med = {k: median([r["texts_per_s"] for r in v]) for k, v in runs.items()}
-    tpt = result["meta"]["tokens_per_text"]
-    return {"median": med, "tokens_per_text": tpt}
-
-
-def render(result: dict) -> str:
-    med = summarize(result)["median"]
-    tpt = result["meta"]["tokens_per_text"]
-    lines = []
-    lines.append(
-        f"Medians over {result['meta']['rounds']} interleaved rounds, {result['meta']['texts']} texts per corpus, "
-        f"{result['meta']['duration_s']:g} s per load run; texts/s (tokens/s)."
-    )
-    lines.append("")
-    lines.append("| contender | mode | queries | passages |")
-    lines.append("|---|---|---|---|")
-
-    def cell(key_prefix: str, c: str) -> str:
-        v = med.get(f"{key_prefix}|{c}")
-        if v is None:
-            return "n/a"
-        return f"{v:,.0f} ({v * tpt[c]:,.0f})"
-
-    rows = [
-        ("sentence-transformers encode", "in-process, batch 32, float32", "st|encode"),
-        ("embed-service (auto: bf16)", "bulk: 32/request, c=4, float", "ours|bulk-float"),
-        ("embed-service (auto: bf16)", "bulk: 32/request, c=4, base64", "ours|bulk-base64"),
-        ("embed-service (float32)", "bulk: 32/request, c=4, float", "ours-exact|bulk-float"),
-        ("Infinity", "bulk: 32/request, c=4, float", "infinity|bulk-float"),
-        ("embed-service (auto: bf16)", "online: 1/request, c=32, float", "ours|online-float"),
-        ("embed-service (auto: bf16)", "online: 1/request, c=32, base64", "ours|online-base64"),
-        ("Infinity", "online: 1/request, c=32, float", "infinity|online-float"),
-    ]
-    for name, mode, key in rows:
-        lines.append(f"| {name} | {mode} | {cell(key, 'queries')} | {cell(key, 'passages')} |")
-    lines.append("")
-    lines.append("| target | queries | passages |")
-    lines.append("|---|---|---|")
-
-    def ratio(a: str, b: str, c: str) -> str:
-        x, y = med.get(f"{a}|{c}"), med.get(f"{b}|{c}")
-        return f"{x / y:.2f}x" if x and y else "n/a"
-
-    targets = [
-        ("bulk vs sentence-transformers (>= 5x)", "ours|bulk-float", "st|encode"),
-        ("bulk vs Infinity bulk (>= 10x)", "ours|bulk-float", "infinity|bulk-float"),
-        ("online vs sentence-transformers (>= 2x queries, >= 5x passages)", "ours|online-float", "st|encode"),
-        ("online vs Infinity online", "ours|online-float", "infinity|online-float"),
-        ("float32 bulk vs sentence-transformers (>= 1.5x queries, >= 1x passages)", "ours-exact|bulk-float",
-         "st|encode"),
-        ("base64 vs float, bulk (>= 1x)", "ours|bulk-base64", "ours|bulk-float"),
-        ("base64 vs float, online (>= 1x)", "ours|online-base64", "ours|online-float"),
-    ]  # fmt: skip
-    for name, a, b in targets:
-        lines.append(f"| {name} | {ratio(a, b, 'queries')} | {ratio(a, b, 'passages')} |")
-    lines.append("")
-    mm = result["matmul"]
-    cfg = result["meta"]["model_config"]
-    lines.append(
-        f"Model FLOPs utilization (bulk, bf16) against a bf16 matmul of the model's shapes "
-        f"({mm['shape'][0]} x {mm['shape'][1]} x {mm['shape'][2]}, {mm['threads']} threads: "
-        f"{mm['tflops']:.2f} TFLOP/s):"
-    )
-    for c in CORPORA:
-        v = med.get(f"ours|bulk-float|{c}")
-        if v:
-            # Attention context: the mean length a token attends over is ~ the mean text length.
-            fpt = flops_per_token(cfg, tpt[c])
-            mfu = v * tpt[c] * fpt / (mm["tflops"] * 1e12)
-            lines.append(f"- {c}: {v * tpt[c]:,.0f} tokens/s x {fpt / 1e6:.1f} MFLOP/token = {mfu:.1%}")
-    lines.append("")
-    lines.append("Accuracy (minimum cosine over every text):")
-    for c, a in result["accuracy"].items():
-        lines.append(
-            f"- {c}: default (bf16) vs float32 {a['default_vs_float32']:.5f}; float32 vs sentence-transformers "
-            f"{a['float32_vs_sentence_transformers']:.6f}; default vs sentence-transformers "
-            f"{a['default_vs_sentence_transformers']:.5f}"
-        )
-    lines.append("")
-    lines.append(
-        "Latency of single short queries (queries.jsonl, 1 input, one at a time), medians over rounds:"
-    )
-    for name, e in result["latency"].items():
-        idle50 = median([r["latency_ms"]["p50"] for r in e["idle"]])
-        idle99 = median([r["latency_ms"]["p99"] for r in e["idle"]])
-        bulk = median([r.get("texts_per_s", float("nan")) for r in e["bulk"]])
-        head = (
-            f"- {name}: idle p50 {idle50:.1f} ms, p99 {idle99:.1f} ms; under saturating bulk load "
-            f"(passages, 32/request, c=4, {bulk:.0f} texts/s meanwhile) "
-        )
-        answered = [r for r in e["loaded"] if r["requests_per_s"] > 0]
-        if len(answered) < len(e["loaded"]):
-            # A FIFO server answers the probe only after the bulk backlog: not within the window.
-            window = result["meta"]["duration_s"]
-            lines.append(head + f"{len(e['loaded']) - len(answered)} of {len(e['loaded'])} rounds answered "
-                         f"no short query within {window:g} s")  # fmt: skip
-            continue
-        load99 = median([r["latency_ms"]["p99"] for r in answered])
-        load50 = median([r["latency_ms"]["p50"] for r in answered])
-        lines.append(head + f"p50 {load50:.1f} ms, p99 {load99:.1f} ms = {load99 / idle99:.2f}x idle p99")
-    ceil = result["meta"]["client_ceiling"]
-    lines.append("")
-    lines.append(
-        f"Client: {result['meta']['client']}; its ceiling against a null endpoint: "
-        f"{ceil['bulk']:,.0f} requests/s (bulk shape), {ceil['online']:,.0f} requests/s (online shape)."
-    )
-    return "\n".join(lines) + "\n"
-
-
-def update_docs(table: str) -> None:
-    doc = ROOT / "docs" / "performance.md"
-    text = doc.read_text()
-    begin, end = "<!-- compare:begin -->", "<!-- compare:end -->"
-    a, b = text.index(begin) + len(begin), text.index(end)
-    doc.write_text(text[:a] + "\n" + table + text[b:])
 
 
 if __name__ == "__main__":
