@@ -422,16 +422,10 @@ def _shape(request: EmbedCall, encoded: Encoded, single: bool) -> Any:
         return encoded.chunks[0] if single else encoded.chunks
     if request.body.outputs is None:
         return encoded.embeddings[0] if single else encoded.embeddings
-    result: dict[str, Any] = {}
+    given: dict[str, Any] = {SPARSE: encoded.sparse, COLBERT: encoded.colbert, TOKENS: encoded.tokens}
     if DENSE in request.body.outputs:
-        result[DENSE] = encoded.embeddings[0] if single else encoded.embeddings
-    if encoded.sparse is not None:
-        result[SPARSE] = encoded.sparse[0] if single else encoded.sparse
-    if encoded.colbert is not None:
-        result[COLBERT] = encoded.colbert[0] if single else encoded.colbert
-    if encoded.tokens is not None:
-        result[TOKENS] = encoded.tokens[0] if single else encoded.tokens
-    return result
+        given[DENSE] = encoded.embeddings
+    return {kind: rows[0] if single else rows for kind, rows in given.items() if rows is not None}
 
 
 def pieces(
