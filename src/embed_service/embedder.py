@@ -422,9 +422,8 @@ def _shape(request: EmbedCall, encoded: Encoded, single: bool) -> Any:
         return encoded.chunks[0] if single else encoded.chunks
     if request.body.outputs is None:
         return encoded.embeddings[0] if single else encoded.embeddings
-    given: dict[str, Any] = {SPARSE: encoded.sparse, COLBERT: encoded.colbert, TOKENS: encoded.tokens}
-    if DENSE in request.body.outputs:
-        given[DENSE] = encoded.embeddings
+    dense = encoded.embeddings if DENSE in request.body.outputs else None
+    given = {DENSE: dense, SPARSE: encoded.sparse, COLBERT: encoded.colbert, TOKENS: encoded.tokens}
     return {kind: rows[0] if single else rows for kind, rows in given.items() if rows is not None}
 
 
