@@ -9,21 +9,26 @@ batches of ``--batch``: ours as the server does it (images.preprocess in one thr
 EmbeddingModel), sentence-transformers' ``encode`` (its processor, then transformers' CLIPModel). The
 preprocessing share is ours: the seconds spent in images.preprocess over the total. Example:
 
-    python benchmarks/images.py --images 64 --batch 32 --rounds 3
+    python benchmarks/images.py --images 64 --batch 32 --rounds 3 --json benchmarks/results/images.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.http_cpu import cpu_model  # noqa: E402
 
 
 def build(path: Path) -> None:
@@ -52,6 +57,7 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=64)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", help="write the figures here too (benchmarks/results/images.json)")
     args = ap.parse_args()
 
     from PIL import Image
@@ -108,13 +114,27 @@ def main() -> None:
                 shares.setdefault(f"ours {label}", []).append(run_ours.prep_share)  # type: ignore[attr-defined]
                 seconds = run_theirs(theirs[dt])
                 rates.setdefault(f"sentence-transformers {label}", []).append(len(pictures) / seconds)
-    print(f"CPU: {platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}")
+    cpu = cpu_model() or platform.machine()
+    print(f"CPU: {cpu}, torch threads {torch.get_num_threads()}")
     print(
         f"{args.images} pictures 320x240, batches of {args.batch}, {args.rounds} interleaved rounds (median)"
     )
     for name, values in rates.items():
         share = f", preprocessing {statistics.median(shares[name]):.0%}" if name in shares else ""
         print(f"{name:28s} {statistics.median(values):7.1f} images/s{share}")
+    if args.json:
+        result = {
+            "cpu": cpu,
+            "load_average": os.getloadavg(),
+            "torch_threads": torch.get_num_threads(),
+            "images": args.images,
+            "batch": args.batch,
+            "rounds": args.rounds,
+            "images_per_s": {k: statistics.median(v) for k, v in rates.items()},
+            "rounds_images_per_s": rates,
+            "preprocessing_share": {k: statistics.median(v) for k, v in shares.items()},
+        }
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

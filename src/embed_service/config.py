@@ -239,14 +239,16 @@ class ModelSettings(BaseSettings):
     whose length cannot be decided either."""
 
     max_image_pixels: int = 4096 * 4096
-    """Pixels (width x height, read from the file's header before decoding) one image input may have; a
-    larger one is a 400. Image models only (CLIP, SigLIP)."""
+    """Pixels (width x height, from its header, before decoding) of one image input (CLIP, SigLIP); more: 400."""
 
     max_image_bytes: int = 20 << 20
     """Encoded bytes one image input may have (after base64 decoding); a larger one is a 400."""
 
     max_request_image_bytes: int = 64 << 20
     """Encoded bytes all the image inputs of one request may have together; more is a 400."""
+
+    max_request_image_pixels: int = 1 << 28
+    """Decoded pixels (from each header, before decoding) of all the image inputs of one request; more is a 400."""
 
     max_request_chars: int = 8 * 1024 * 1024
     """Characters one request may have tokenized: each input's (prompt + text, at most
@@ -373,6 +375,7 @@ class ModelSettings(BaseSettings):
         "max_image_pixels",
         "max_image_bytes",
         "max_request_image_bytes",
+        "max_request_image_pixels",
     )
     @classmethod
     def _positive(cls, v: int | None) -> int | None:

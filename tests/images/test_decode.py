@@ -88,6 +88,22 @@ def test_too_many_bytes_per_request_are_refused():
         budget.take(9_000, "input[2]")
 
 
+def test_too_many_decoded_pixels_per_request_are_refused_from_the_headers():
+    """Small files holding large pictures: the request's pixel total is checked from each header, so the
+    image past the budget is refused before its pixels are decoded (its file holds none)."""
+    limits = ImageLimits(max_pixels=1000 * 1000, max_request_pixels=2_500_000)
+    budget = RequestBudget(limits)
+    picture = load_rgb(encode(gradient(1000, 1000), "PNG"), "input[0]", limits, budget)
+    assert picture.size == (1000, 1000)
+    load_rgb(encode(gradient(1000, 1000), "PNG"), "input[1]", limits, budget)
+    with pytest.raises(
+        ImageError,
+        match=r"input\[2\]: the request's images reach 3000000 pixels; the limit is 2500000 pixels per "
+        r"request \(--max-request-image-pixels\)",
+    ):
+        load_rgb(png_claiming(1000, 1000), "input[2]", limits, budget)
+
+
 @pytest.mark.parametrize("fmt", ["BMP", "TIFF", "PPM", "ICO"])
 def test_other_formats_are_refused(fmt):
     """Formats PIL reads but the server does not take."""

@@ -43,7 +43,9 @@ class ImageSide(TextSide):
                     "CLIP or SigLIP model with its preprocessor_config.json (docs/models.md)"
                 )
             s = self.settings
-            limits = ImageLimits(s.max_image_pixels, s.max_image_bytes, s.max_request_image_bytes)
+            limits = ImageLimits(
+                s.max_image_pixels, s.max_image_bytes, s.max_request_image_bytes, s.max_request_image_pixels
+            )
             self._preparer = ImagePreparer(self.spec.image_processor, self.spec.tokens_per_image, limits)
         return self._preparer
 

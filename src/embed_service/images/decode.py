@@ -42,13 +42,25 @@ class ImageLimits:
     """Encoded bytes per image: ``--max-image-bytes``."""
     max_request_bytes: int = 64 << 20
     """Encoded bytes of all the images of one request: ``--max-request-image-bytes``."""
+    max_request_pixels: int = 1 << 28
+    """Decoded pixels of all the images of one request (what their decoding costs, since a small file can
+    hold a large picture): ``--max-request-image-pixels``."""
 
 
 class RequestBudget:
-    """The running total of one request's encoded image bytes."""
+    """The running totals of one request's encoded image bytes and decoded pixels."""
 
     def __init__(self, limits: ImageLimits):
-        self.limits, self.used = limits, 0
+        self.limits, self.used, self.pixels = limits, 0, 0
+
+    def take_pixels(self, width: int, height: int, what: str) -> None:
+        """Checked from the header, before the pixels are decoded."""
+        self.pixels += width * height
+        if self.pixels > self.limits.max_request_pixels:
+            raise ImageError(
+                f"{what}: the request's images reach {self.pixels} pixels; the limit is "
+                f"{self.limits.max_request_pixels} pixels per request (--max-request-image-pixels)"
+            )
 
     def take(self, size: int, what: str) -> None:
         if size > self.limits.max_bytes:
@@ -90,8 +102,11 @@ def decode_base64(text: str, what: str, limits: ImageLimits) -> bytes:
         raise ImageError(f"{what}: not valid base64") from None
 
 
-def open_checked(data: bytes, what: str, limits: ImageLimits) -> Image.Image:
-    """The decoded picture (first frame), as PIL opened it: format and pixels checked first."""
+def open_checked(
+    data: bytes, what: str, limits: ImageLimits, budget: RequestBudget | None = None
+) -> Image.Image:
+    """The decoded picture (first frame), as PIL opened it: format and pixels (the image's, and the
+    request's running total in `budget`) checked from the header first."""
     if len(data) > limits.max_bytes:
         raise ImageError(
             f"{what}: {len(data)} bytes; the limit is {limits.max_bytes} bytes per image (--max-image-bytes)"
@@ -117,6 +132,8 @@ def open_checked(data: bytes, what: str, limits: ImageLimits) -> Image.Image:
             )
         if width < 1 or height < 1:
             raise ImageError(f"{what}: an empty image ({width}x{height})")
+        if budget is not None:
+            budget.take_pixels(width, height, what)
         try:
             image.load()
         except Exception as e:
@@ -126,9 +143,10 @@ def open_checked(data: bytes, what: str, limits: ImageLimits) -> Image.Image:
     return image
 
 
-def load_rgb(data: bytes, what: str, limits: ImageLimits) -> Image.Image:
-    """Bytes to the RGB picture transformers' load_image gives for them (EXIF orientation applied)."""
-    image = open_checked(data, what, limits)
+def load_rgb(data: bytes, what: str, limits: ImageLimits, budget: RequestBudget | None = None) -> Image.Image:
+    """Bytes to the RGB picture transformers' load_image gives for them (EXIF orientation applied); the
+    pixels counted into the request's budget before they are decoded."""
+    image = open_checked(data, what, limits, budget)
     try:
         image = ImageOps.exif_transpose(image)
         return image.convert("RGB")

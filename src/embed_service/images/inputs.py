@@ -102,12 +102,13 @@ class ImagePreparer:
                     f"{what}: {width}x{height} = {width * height} pixels; the limit is "
                     f"{self.limits.max_pixels} pixels (--max-image-pixels)"
                 )
+            budget.take_pixels(width, height, what)
             picture = source
             size = 0
         else:
             data = self._bytes(source, what)
             budget.take(len(data), what)
-            picture, size = load_rgb(data, what, self.limits), len(data)
+            picture, size = load_rgb(data, what, self.limits, budget), len(data)
         out = self.processor(picture).tobytes()
         if stats is not None:
             stats.images += 1
