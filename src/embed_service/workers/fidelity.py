@@ -4,7 +4,9 @@ Before a worker says it is ready it embeds a few fixed inputs twice: as it will 
 dtype, the kernels ops/fused.py chose, the attention backend, tensor parallelism), and with every parameter
 cast to float32 and the kernels switched off (ops/fused.reference_only). The lowest cosine between the two
 dense vectors of an input is the figure /info reports; below --fidelity-min-cosine the worker refuses to
-become ready (or, with --fidelity-warn-only, says so and serves). It is the guard against silently wrong
+become ready (or, with --fidelity-warn-only, says so and serves). A model that embeds images (CLIP,
+SigLIP) also runs one synthetic picture, a fixed colour gradient preprocessed by the model's own image
+processor, through both passes: its cosine counts in the minimum too. It is the guard against silently wrong
 vectors: a kernel that zeroes odd features, a dtype that overflows, a shard mapped to the wrong rank.
 
 The reference runs on the same device with the same sharding, so it checks numerics, not the sharding
@@ -21,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
 from embed_service.ops import fused
 
@@ -34,8 +37,9 @@ CHECK_SEED = 1234
 class FidelityResult:
     min_cosine: float | None  # None: not measured (see skipped)
     threshold: float
-    inputs: int
+    inputs: int  # texts and images together
     skipped: str | None = None
+    images: int = 0
 
     @property
     def passed(self) -> bool:
@@ -46,6 +50,7 @@ class FidelityResult:
             "min_cosine": self.min_cosine,
             "threshold": self.threshold,
             "inputs": self.inputs,
+            "images": self.images,
             "passed": self.passed,
             "skipped": self.skipped,
         }
@@ -62,6 +67,15 @@ def check_inputs(vocab_size: int, max_len: int) -> tuple[np.ndarray, np.ndarray]
     low = min(1000, max(vocab_size // 4, 1))
     ids = rng.integers(low, max(vocab_size, low + 1), size=int(lengths.sum()), dtype=np.int64)
     return ids.astype(np.int32), lengths
+
+
+def check_image(size: tuple[int, int]) -> Image.Image:
+    """The synthetic picture: (height, width) = `size`, red rising left to right, green top to bottom,
+    blue across the diagonal, so that every patch differs; deterministic, no file."""
+    height, width = size
+    y, x = np.mgrid[0:height, 0:width].astype(np.float64)
+    rgb = np.stack([x / max(width - 1, 1), y / max(height - 1, 1), (x + y) / max(width + height - 2, 1)], -1)
+    return Image.fromarray((rgb * 255).round().astype(np.uint8), "RGB")
 
 
 @contextlib.contextmanager
@@ -91,19 +105,24 @@ def measure(
     threshold: float,
     fast_is_reference: bool,
     reference_run: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
+    image_run: Callable[[bool], np.ndarray] | None = None,
 ) -> FidelityResult:
     """`run(ids, lengths)` -> (B, D) dense vectors from `model`, as served; `reference_run` the same
-    eagerly, where `run` replays CUDA graphs (a replay would not follow the swapped parameters)."""
+    eagerly, where `run` replays CUDA graphs (a replay would not follow the swapped parameters).
+    `image_run(replay)` -> (1, D): the synthetic picture's vector (check_image), for a model that embeds
+    images; replay False in the reference pass, as reference_run."""
     ids, lengths = check_inputs(vocab_size, max_len)
+    images = int(image_run is not None)
     if threshold <= 0:
         return FidelityResult(None, threshold, 0, "--fidelity-min-cosine 0")
     if fast_is_reference:  # float32 and the references already: the fast path is the reference pass
-        return FidelityResult(1.0, threshold, len(lengths), None)
-    fast = run(ids, lengths)
+        return FidelityResult(1.0, threshold, len(lengths) + images, None, images)
+    fast = np.concatenate([run(ids, lengths), *([image_run(True)] if image_run else [])])
     try:
         with float32_parameters(model), fused.reference_only():
-            reference = (reference_run or run)(ids, lengths)
+            texts = (reference_run or run)(ids, lengths)
+            reference = np.concatenate([texts, *([image_run(False)] if image_run else [])])
     except torch.OutOfMemoryError:
         return FidelityResult(None, threshold, 0, "no memory for a float32 copy of the weights")
     worst = float(np.nan_to_num(cosines(fast, reference), nan=-1.0).min())
-    return FidelityResult(round(worst, 6), threshold, len(lengths))
+    return FidelityResult(round(worst, 6), threshold, len(fast), None, images)

@@ -256,10 +256,12 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
         cfg.fidelity_min_cosine if DENSE in spec.outputs and not null_model.wanted() else 0.0,
         fast_is_reference=dtype == "float32" and kernels.startswith("torch") and runner is None,
         reference_run=vectors(False),  # the float32 pass swaps the parameters: a replay would not follow
+        image_run=None if spec.image_processor is None else image_vector(spec, run),
     )
     if not check.passed:
         reason = (
-            f"fidelity check failed: the served vectors of {check.inputs} fixed inputs reach a cosine of "
+            f"fidelity check failed: the served vectors of {check.inputs} fixed inputs "
+            f"({check.images} synthetic image(s)) reach a cosine of "
             f"only {check.min_cosine:.6f} to a float32 reference pass of the same weights (needs "
             f"{check.threshold}; dtype {dtype}, kernels {kernels}, attention {attention_backend}, "
             f"{cfg.world_size} rank(s), CUDA graphs {'on' if runner is not None else 'off'})"
@@ -361,3 +363,19 @@ def warmup_shape(max_len: int, max_batch_tokens: int, device: str):
     if budget > sum(lengths):
         lengths.append(budget - sum(lengths))
     return np.ones(sum(lengths), dtype=np.int32), np.array(lengths, dtype=np.int32)
+
+
+def image_vector(spec: Any, run: Any):
+    """The fidelity check's image pass for a model that embeds images: (replay) -> (1, D), the dense
+    vector of workers/fidelity.check_image, preprocessed by the model's own image processor."""
+    import numpy as np
+
+    from embed_service.outputs import DENSE, OutputRequest
+    from embed_service.workers import fidelity
+
+    pixels = spec.image_processor(fidelity.check_image(spec.image_processor.output_size)).tobytes()
+    n = spec.tokens_per_image
+    request = OutputRequest(frozenset({DENSE}), pixels=pixels)
+    return lambda replay: np.stack(
+        [o.dense for o in run(np.zeros(n, dtype=np.int32), np.array([n], dtype=np.int32), [request], replay)]
+    )

@@ -5,6 +5,8 @@ workers included. EMBED_TEST_FAULTS names the faults, comma-separated:
 
 - ``break-kernel``: the worker "chooses" kernels whose norms zero every odd feature (the silent wrong
   vectors the start-up fidelity check is for); the reference pass is untouched.
+- ``break-vision``: a two-tower model's image vectors have every odd feature zeroed in the fast path only
+  (outside ops/fused.reference_only); its texts are untouched.
 - ``oom-above:N``: a batch of more than N tokens holding token id OOM_TOKEN raises torch.OutOfMemoryError,
   on every rank.
 - ``oom-rank0-above:N``: the same on rank 0 only (the other ranks go on into a collective rank 0 never joins).
@@ -77,6 +79,23 @@ def _install() -> None:
         if "break-kernel" in FAULTS:
             fused._kernels, fused._reason = _broken_kernels(), "broken (test fault)"
             choice = fused._reason
+        if "break-vision" in FAULTS:
+            from embed_service.models import siglip  # noqa: F401  (its classes among the subclasses)
+            from embed_service.models.clip import TwoTowerModel
+
+            def broken(image_features):
+                def broken_image_features(self, pixels):
+                    out = image_features(self, pixels)
+                    if not fused._suspended:
+                        out[..., 1::2] = 0
+                    return out
+
+                return broken_image_features
+
+            for cls in (TwoTowerModel, *TwoTowerModel.__subclasses__()):
+                if "image_features" in vars(cls):
+                    cls.image_features = broken(vars(cls)["image_features"])
+            fused._reason = choice = "broken vision (test fault)"
         oom = [int(f.split(":", 1)[1]) for f in FAULTS if f.startswith(("oom-above:", "oom-rank0-above:"))]
         rank0_only = any(f.startswith("oom-rank0-above:") for f in FAULTS)
         if oom or "fatal-token" in FAULTS:
