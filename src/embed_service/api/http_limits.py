@@ -125,7 +125,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes = 0  # of the head being received
         self._awaiting_head = True
         # At most one deadline (head or body) per connection; uvicorn keeps its own keep-alive timer.
-        self._deadline: float | None = None  # loop.time() when `_on_deadline` is due; None: none
+        self._deadline: float | None = None  # time.monotonic() when `_on_deadline` is due; None: none
         self._on_deadline: Any = None
         self._timer: asyncio.TimerHandle | None = None  # fires at `_timer_at`, at or before the deadline
         self._timer_at = 0.0
@@ -135,9 +135,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     # The deadline moves on every request (head, then body, then none), but the loop's timer is moved
     # only when the new deadline is earlier than it: a timer that fires early re-arms itself for what is
     # left. A kept-alive connection then sets no timer per request (two set and two cancelled before,
-    # ~5 us of a short request's CPU with uvloop).
+    # ~5 us of a short request's CPU with uvloop). Deadlines are on time.monotonic(), not loop.time():
+    # uvloop's clock is a coarse one in whole milliseconds, behind the real time by up to about one, so a
+    # deadline on it could fall due a fraction of a millisecond before the stated seconds have passed.
     def _arm(self, seconds: float, callback: Any) -> None:
-        deadline = self.loop.time() + seconds
+        deadline = time.monotonic() + seconds
         self._deadline, self._on_deadline = deadline, callback
         if self._timer is None or self._timer_at > deadline:
             self._schedule(deadline)
@@ -148,13 +150,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def _schedule(self, at: float) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._timer, self._timer_at = self.loop.call_at(at, self._timer_fired), at
+        self._timer, self._timer_at = (
+            self.loop.call_later(max(0.0, at - time.monotonic()), self._timer_fired),
+            at,
+        )
 
     def _timer_fired(self) -> None:
         self._timer = None
         if self._deadline is None:
             return
-        if self.loop.time() < self._deadline:
+        if time.monotonic() < self._deadline:  # early (a moved deadline, or the loop's coarse clock)
             self._schedule(self._deadline)
             return
         callback = self._on_deadline
