@@ -216,6 +216,7 @@ def _tp_rank(rank: int, world: int, init: str, path: str, ids, pixels, out) -> N
         text, image = served(ours(Path(path), torch.float32), ids, pixels)
         if rank == 0:
             out.put((text, image))
+        dist.barrier()  # both ranks done before either tears gloo down (a peer gone first can abort it)
     finally:
         dist.destroy_process_group()
 
