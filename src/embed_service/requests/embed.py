@@ -113,8 +113,8 @@ class EmbeddingRequest(BaseModel):
         return check_input(v)
 
 
-class SparseEmbedRequest(BaseModel):
-    """POST /embed_sparse (text-embeddings-inference's route): lexical weights only."""
+class TeiInputsRequest(BaseModel):
+    """The input fields text-embeddings-inference's routes share (POST /embed_all takes only these)."""
 
     model_config = ConfigDict(extra="ignore", use_attribute_docstrings=True)
 
@@ -124,33 +124,24 @@ class SparseEmbedRequest(BaseModel):
     truncation_direction: Literal["right", "left"] = "right"
     prompt_name: StrictStr | None = None
     prompt: StrictStr | None = None
+
+    @field_validator("inputs", mode="before")
+    @classmethod
+    def _inputs(cls, v: Any) -> Any:
+        return check_input(v)
+
+
+class EmbedAllRequest(TeiInputsRequest):
+    """POST /embed_all (text-embeddings-inference's route): every token's vector, without pooling."""
+
+
+class SparseEmbedRequest(TeiInputsRequest):
+    """POST /embed_sparse (text-embeddings-inference's route): lexical weights only."""
+
     max_active_dims: TokenCount | None = None
     """Keep only the N largest weights (sentence-transformers' max_active_dims)."""
     sparse_threshold: Threshold | None = None
     """Drop the weights below it (applied before max_active_dims)."""
-
-    @field_validator("inputs", mode="before")
-    @classmethod
-    def _inputs(cls, v: Any) -> Any:
-        return check_input(v)
-
-
-class EmbedAllRequest(BaseModel):
-    """POST /embed_all (text-embeddings-inference's route): every token's vector, without pooling."""
-
-    model_config = ConfigDict(extra="ignore", use_attribute_docstrings=True)
-
-    inputs: Annotated[list[str] | list[list[int]], EMBED_INPUT]
-    model: str | None = None
-    truncate: StrictBool | None = None
-    truncation_direction: Literal["right", "left"] = "right"
-    prompt_name: StrictStr | None = None
-    prompt: StrictStr | None = None
-
-    @field_validator("inputs", mode="before")
-    @classmethod
-    def _inputs(cls, v: Any) -> Any:
-        return check_input(v)
 
 
 class TokenizeRequest(BaseModel):
