@@ -19,15 +19,8 @@ from pydantic_core import PydanticUndefined
 from pydantic_settings import SettingsError
 
 from embed_service import __version__
-from embed_service.config import (
-    MODEL_FIELDS,
-    ConfigFile,
-    ConfigFileError,
-    ServeConfig,
-    ServerSettings,
-    Settings,
-    read_config_file,
-)
+from embed_service.config import MODEL_FIELDS, ServeConfig, ServerSettings, Settings
+from embed_service.config_file import ConfigFile, ConfigFileError, read_config_file
 
 SCOPES = "_model_scopes"
 """The namespace attribute holding each --model's own flags, in order (flags before the first --model are
