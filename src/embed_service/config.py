@@ -253,18 +253,19 @@ class ModelSettings(BaseSettings):
     --max-input-chars), summed; more is a 400 before any tokenization."""
 
     bulk_aging_s: float = 1.0
-    """Bulk sequences that have waited longer than this many seconds go ahead of priority work, in up to
-    half of each batch's tokens, so bulk work cannot starve behind a stream of short requests. 0: off."""
+    """While no batch has served the bulk lane for this many seconds, bulk sequences that have waited longer
+    go ahead of priority work, in up to half of each batch's tokens, so bulk work cannot starve behind a
+    stream of short requests. 0: off."""
 
     priority_max_tokens: int = 256
     """Requests of at most this many tokens (all inputs together) take the priority lane: every batch takes
     them first, ahead of bulk work. 0: one lane, first come first served."""
 
     priority_batch_tokens: int = 256
-    """A batch carrying priority sequences takes at most this many tokens of bulk work; with two or more
-    replicas, while interactive traffic is about (a priority request within the last 2 s), the last
-    replica takes bulk work only in batches of at most this many tokens, so a short request never waits
-    behind more than that much work; without interactive traffic, batches of up to 8 times this many."""
+    """With two or more replicas, while interactive traffic is about (a priority request within the last
+    2 s), the last replica takes bulk work only in batches of at most this many tokens, so a short request
+    never waits behind more than that much work; without interactive traffic, batches of up to 8 times this
+    many. (A batch carrying priority sequences takes no bulk work, whatever this is.)"""
 
     data_parallel_size: int | None = None
     """Model replicas, each its own worker process(es) forming its own batches, on its own GPUs. Default: 1,

@@ -99,6 +99,34 @@ def test_the_priority_replica_takes_small_batches_while_interactive_traffic_is_a
     assert max(sum(batch) for batch in a.batches) > 256
 
 
+def test_a_short_request_under_a_deep_bulk_queue_runs_in_a_batch_of_its_own():
+    """Bulk work queued past the aging bound while the other replica computes a bulk batch: the short
+    request's batch on the free replica holds the short request only (was: an aged 200-token bulk sequence
+    rode in front of it, so the short request paid a bulk forward)."""
+    a, b = Gated(), Gated()
+
+    async def main():
+        batcher = Batcher([a, b], 16384, 256, "m", priority_batch_tokens=256, bulk_aging_s=0.001)
+        batcher.start()
+        loop = asyncio.get_running_loop()
+        bulk = make(loop, [200] * 60)
+        batcher.submit(bulk)
+        await until(a.started)
+        await until(b.started)
+        while time.perf_counter() - batcher.queue[0].enqueued_at <= 0.001:  # past the aging bound
+            await asyncio.sleep(0)
+        short = make(loop, [5])
+        batcher.submit(short, priority=True)
+        b.release.set()
+        await short[0].future
+        a.release.set()
+        await asyncio.gather(*(s.future for s in bulk))
+        await batcher.stop()
+
+    run(main())
+    assert b.batches[1] == [5]
+
+
 def test_without_interactive_traffic_the_reserved_replica_takes_larger_batches():
     a, b = Backend(0.05), Backend(0.05)
 

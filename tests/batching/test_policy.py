@@ -45,12 +45,15 @@ def test_cancelled_sequences_are_dropped_before_compute():
     assert [len(s.ids) for s in batch] == [7] and not q
 
 
-def test_priority_lane_goes_first_then_bulk_fills_the_budget():
+def test_priority_lane_goes_first_then_bulk_fills_the_next_budget():
     bulk = seqs([50, 50, 50])
     priority = seqs([5, 6])
-    batch = PriorityFirst().take_lanes(priority, bulk, max_tokens=70, max_seqs=100)
-    assert [len(s.ids) for s in batch] == [5, 6, 50]
-    assert not priority and [len(s.ids) for s in bulk] == [50, 50]
+    policy = PriorityFirst()
+    batch = policy.take_lanes(priority, bulk, max_tokens=70, max_seqs=100)
+    assert [len(s.ids) for s in batch] == [5, 6] and not policy.took_bulk
+    batch = policy.take_lanes(priority, bulk, max_tokens=70, max_seqs=100)
+    assert [len(s.ids) for s in batch] == [50] and policy.took_bulk
+    assert [len(s.ids) for s in bulk] == [50, 50]
 
 
 def test_a_full_priority_batch_leaves_bulk_waiting():
@@ -69,19 +72,32 @@ def test_priority_only_backends_and_cancelled_priority_sequences():
     assert [len(s.ids) for s in batch] == [4] and len(bulk) == 1
 
 
-def test_a_batch_with_priority_work_takes_little_bulk_work():
+def test_a_batch_with_priority_work_takes_no_bulk_work():
     bulk = seqs([100] * 50)
     priority = seqs([12])
-    batch = PriorityFirst().take_lanes(
-        priority, bulk, max_tokens=16384, max_seqs=256, priority_fill_tokens=256
-    )
-    assert [len(s.ids) for s in batch] == [12, 100, 100]  # 212 tokens: the next 100 would pass 256
-    assert len(bulk) == 48
+    batch = PriorityFirst().take_lanes(priority, bulk, max_tokens=16384, max_seqs=256)
+    assert [len(s.ids) for s in batch] == [12] and len(bulk) == 50
     # Without priority work the full budget applies.
-    batch = PriorityFirst().take_lanes(
-        seqs([]), bulk, max_tokens=1000, max_seqs=256, priority_fill_tokens=256
-    )
+    batch = PriorityFirst().take_lanes(seqs([]), bulk, max_tokens=1000, max_seqs=256)
     assert len(batch) == 10
+
+
+def test_a_bulk_lane_that_is_being_served_does_not_age_into_priority_batches():
+    """Bulk work that waited past the aging bound because its queue is deep, while another replica computes
+    bulk batches, is not starved: the short requests' batch stays short. Once nothing has served the bulk
+    lane for the aging bound, it ages ahead as before."""
+    policy = PriorityFirst(aging_s=1.0)
+    bulk = seqs([30, 30])
+    for s in bulk:
+        s.enqueued_at = -100.0
+    batch = policy.take_lanes(seqs([10]), bulk, max_tokens=100, max_seqs=100, bulk_running=True)
+    assert [len(s.ids) for s in batch] == [10] and len(bulk) == 2
+    policy.bulk_done()  # a bulk batch has just ended: served within the bound
+    batch = policy.take_lanes(seqs([10]), bulk, max_tokens=100, max_seqs=100)
+    assert [len(s.ids) for s in batch] == [10] and len(bulk) == 2
+    policy.bulk_served_at = time.perf_counter() - 2.0  # nothing served it for longer than the bound
+    batch = policy.take_lanes(seqs([10]), bulk, max_tokens=100, max_seqs=100)
+    assert [len(s.ids) for s in batch] == [30, 10] and len(bulk) == 1
 
 
 def test_aged_bulk_work_goes_ahead_of_priority_work_in_half_a_batch():

@@ -56,9 +56,10 @@ class Batcher:
     """Two lanes (priority, bulk), a retry lane, and one run loop per compute backend (model replica).
 
     Every loop forms its batch when its backend is free: retried sequences first, then priority sequences,
-    then bulk ones. With two or more backends and `priority_batch_tokens` set, the last backend takes at most
-    that many tokens per batch while interactive traffic is about (a priority request in the last
-    `PRIORITY_HOLD_S` seconds), so it is free again soon for the next short request. Without interactive
+    then bulk ones (policy.py). With two or more backends and `priority_batch_tokens` set, the last backend
+    takes at most that many tokens of bulk work per batch while interactive traffic is about (a priority
+    request in the last `PRIORITY_HOLD_S` seconds), so it is free again soon for the next short request.
+    Without interactive
     traffic it takes up to IDLE_RESERVE_FACTOR times that: one 150-token passage per forward runs at about
     half the tokens/s of a full batch, while a few thousand tokens run nearly as fast per token and still
     bound the wait of the first short request to arrive.
@@ -85,13 +86,13 @@ class Batcher:
         # Sequences of a failed batch, each with the error it gets if no other backend can take it.
         self.retry: deque[tuple[Sequence, BaseException]] = deque()
         self.model = model
-        self.priority_fill_tokens = priority_batch_tokens
         self.budgets = [max_batch_tokens] * len(self.backends)
         if priority_batch_tokens and len(self.backends) > 1:
             self.budgets[-1] = min(priority_batch_tokens, max_batch_tokens)
         self._priority_seen = -float("inf")  # perf_counter() of the last priority submission
         self._wakeups = [asyncio.Event() for _ in self.backends]
         self._busy = [False] * len(self.backends)
+        self._bulk_running = [False] * len(self.backends)  # computing a batch that took bulk work normally
         self._up = [True] * len(self.backends)
         self._down_error: BaseException | None = None  # what sequences get while no backend is up
         self._running: list[list[Sequence]] = [[] for _ in self.backends]
@@ -233,9 +234,11 @@ class Batcher:
             batch = self._take_retries(index, budget)
             if batch:
                 return batch
-        return self.policy.take_lanes(
-            self.priority, self.queue, budget, self.max_batch_requests, self.priority_fill_tokens
+        batch = self.policy.take_lanes(
+            self.priority, self.queue, budget, self.max_batch_requests, any(self._bulk_running)
         )
+        self._bulk_running[index] = self.policy.took_bulk
+        return batch
 
     def _take_retries(self, index: int, budget: int) -> list[Sequence]:
         """Retried sequences first (they are the oldest work), never on the backend that failed them."""
@@ -284,6 +287,7 @@ class Batcher:
                 self._batch_tokens.observe(len(ids))
             except Exception as exc:  # a bug in forming the batch: answer what it held, keep serving
                 log.exception("model %s: forming a batch failed", self.model)
+                self._bulk_running[index] = False
                 self._fail_taken(batch, exc)
                 await asyncio.sleep(0)
                 continue
@@ -305,6 +309,9 @@ class Batcher:
                 mark_ran(batch, index, start, len(ids))  # for the requests' traces
                 self._busy[index] = False
                 self._running[index] = []
+                if self._bulk_running[index]:
+                    self._bulk_running[index] = False
+                    self.policy.bulk_done()
                 if self._has_work(index):
                     wakeup.set()
             try:

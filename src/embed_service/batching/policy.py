@@ -2,14 +2,19 @@
 
 The default policy (`PriorityFirst`):
 - Two lanes. Sequences of small requests (interactive traffic, the engine decides which) wait in the
-  priority lane; everything else in the bulk lane. A batch takes the priority lane first, oldest first,
-  then fills up from the bulk lane, oldest first, until the next sequence would pass the token or
-  sequence budget. A batch always takes at least one sequence, however long.
+  priority lane; everything else in the bulk lane. A batch takes the priority lane first, oldest first; a
+  batch without priority work takes the bulk lane, oldest first, until the next sequence would pass the
+  token or sequence budget. A batch always takes at least one sequence, however long. A batch that carries
+  priority work takes no (unaged) bulk work: a short request's batch is as short as it is, not a bulk
+  sequence's forward with it riding along.
 - Batches are formed at the moment compute is free, never ahead of time: a short request that arrives
   while a batch runs is in the very next batch, not behind one formed (frozen) before it came.
-- Aging: a bulk sequence that has waited longer than `aging_s` goes ahead of the priority lane, in up to
-  half of the batch's tokens (at least one sequence), so bulk work cannot starve behind a stream of short
-  requests, and short requests still get at least the other half of every batch.
+- Aging: while the bulk lane is starved (no batch has taken bulk work the normal way, and none that did is
+  running, for `aging_s`) a bulk sequence that has waited longer than `aging_s` goes ahead of the priority
+  lane, in up to half of the batch's tokens (at least one sequence), so bulk work cannot starve behind a
+  stream of short requests, and short requests still get at least the other half of every batch. A bulk
+  lane that is being served (another replica computes bulk batches) is not starved however deep its queue,
+  so its long waits do not put bulk work into the short requests' batches.
 - Lengths are not packed here: the attention kernel groups the sequences of a batch by length itself
   (ops/attention.py), so arrival order can be kept and a request's inputs finish together.
 """
@@ -60,14 +65,20 @@ def fill_aged(
 
 
 class PriorityFirst:
-    """Aged bulk work, then the priority lane, then the bulk lane, each oldest first, within the budgets.
+    """Aged bulk work while the bulk lane starves, then the priority lane, then (in batches without priority
+    work) the bulk lane, each oldest first, within the budgets.
 
-    A batch that carries priority sequences takes (unaged) bulk work only up to `priority_fill_tokens`
-    in all: a short request must not ride in (and wait for) a full-size bulk batch.
+    `took_bulk` says whether the last batch took bulk work the normal way; the batcher calls `bulk_done()`
+    when such a batch ends, and says with `bulk_running` whether one is running.
     """
 
     def __init__(self, aging_s: float = 0.0):
         self.aging_s = aging_s
+        self.bulk_served_at = -float("inf")  # perf_counter() of the last normal bulk take or its batch's end
+        self.took_bulk = False
+
+    def bulk_done(self) -> None:
+        self.bulk_served_at = time.perf_counter()
 
     def take_lanes(
         self,
@@ -75,16 +86,20 @@ class PriorityFirst:
         bulk: deque[Sequence] | None,
         max_tokens: int,
         max_seqs: int,
-        priority_fill_tokens: int = 0,
+        bulk_running: bool = False,
     ) -> list[Sequence]:
         batch: list[Sequence] = []
         tokens = 0
-        if bulk is not None and self.aging_s > 0 and priority:
-            tokens = fill_aged(bulk, batch, max_tokens, max_seqs, time.perf_counter() - self.aging_s)
+        self.took_bulk = False
+        now = time.perf_counter()
+        starved = not bulk_running and now - self.bulk_served_at > self.aging_s
+        if bulk is not None and self.aging_s > 0 and priority and starved:
+            tokens = fill_aged(bulk, batch, max_tokens, max_seqs, now - self.aging_s)
         aged = len(batch)
         tokens, full = fill(priority, batch, tokens, max_tokens, max_seqs)
-        if bulk is not None and not full:
-            if len(batch) > aged and priority_fill_tokens:
-                max_tokens = min(max_tokens, max(tokens, priority_fill_tokens))
+        if bulk is not None and not full and len(batch) == aged:
             fill(bulk, batch, tokens, max_tokens, max_seqs)
+            if len(batch) > aged:
+                self.took_bulk = True
+                self.bulk_served_at = now
         return batch
