@@ -3,7 +3,8 @@ real read (`read_parquet`, whose read tasks need a CPU of their own) with the po
 actors' CPUs leave one CPU free (two actors of 0.5 CPU each here). Actors that take every CPU leave the read
 tasks none and the job stalls without an error: `actor_pool` refuses such a pool, and the pipeline runs on a
 thread that fails the test, instead of hanging it, when nothing comes back in PIPELINE_TIMEOUT_S. The vectors equal `Embedder.encode`
-over the same texts, to the tolerance a vector's batch allows (tests/test_offline.py's resume test)."""
+over the same texts, to the tolerance a vector's batch allows (tests/test_offline.py's resume test); images
+from `read_images` into a tiny CLIP equal transformers' get_image_features of ``Image.fromarray``."""
 
 from __future__ import annotations
 
@@ -140,16 +141,37 @@ def test_read_images_into_a_clip_equals_transformers(cluster, clip_path, tmp_pat
         assert np.abs(got - embedder.encode(pictures)).max() <= 1e-5
 
 
-def test_a_cell_that_is_no_image_names_its_row(clip_path):  # noqa: F811
-    """The actor's call on a batch, in this process: a missing cell is refused, naming its row."""
-    from embed_service.ray import EmbedBatches
+def test_image_batches_in_each_format_and_a_cell_that_is_no_image(clip_path):  # noqa: F811
+    """The actor's call, in this process: a numpy, a pandas and a pyarrow batch (Ray's tensor column) of the
+    same arrays give `Embedder.encode` of ``Image.fromarray`` of each; a missing cell is refused, naming its
+    row."""
+    from PIL import Image
+    from ray.data.extensions import ArrowTensorArray
 
+    from embed_service.ray import EmbedBatches
+    from tests.images.pictures import noise
+
+    arrays = np.stack([noise(20, 16, 3, seed) for seed in range(3)])  # (3, 16, 20, 3) uint8
     embed = EmbedBatches(str(clip_path), image_column="image", dtype="float32", data_parallel_size=1)
     try:
-        batch = {"image": np.array([np.zeros((8, 8, 3), np.uint8), None], dtype=object)}
+        want = embed.embedder.encode([Image.fromarray(a) for a in arrays])
+        batches = [
+            {"image": arrays},
+            pytest.importorskip("pandas").DataFrame({"image": list(arrays)}),
+            pa.table({"image": ArrowTensorArray.from_numpy(arrays)}),
+        ]
+        for batch in batches:
+            out = embed(batch)
+            got = np.stack(
+                list(
+                    out["embedding"].to_numpy(zero_copy_only=False)
+                    if hasattr(out, "column_names")
+                    else out["embedding"]
+                )
+            )
+            assert np.abs(got - want).max() <= 1e-5, type(batch)
+        batch = {"image": np.array([arrays[0], None], dtype=object)}
         with pytest.raises(ValueError, match="row 1 of the batch: the 'image' column is missing"):
             embed(batch)
-        one = embed({"image": np.zeros((1, 8, 8, 3), np.uint8)})["embedding"]
-        assert one.shape == (1, 40)
     finally:
         embed.embedder.close()
