@@ -235,3 +235,26 @@ def test_images_past_the_request_budget_go_as_several_requests(clip, clip_path, 
     source.write_text("".join(json.dumps({"image": f.name}) + "\n" for f in files))
     job(clip, str(source), str(tmp_path / "out.parquet"), "--image-field", "image")
     assert min_cos(vectors_of(tmp_path / "out.parquet")[1], want) >= 0.99999
+
+
+def test_a_rerun_hashes_the_bytes_it_skips(clip, folder, expected, tmp_path):
+    """Parquet bytes: a job stopped by a corrupt row 7 keeps 6 rows; a rerun over an input whose row 2 holds
+    other bytes is refused; the input with only row 7 fixed resumes, and every row is its picture's."""
+    root, names = folder
+    data = [(root / n).read_bytes() for n in names[:9]]
+    source = tmp_path / "in.parquet"
+
+    def write(rows: list[bytes]) -> None:
+        pq.write_table(pa.table({"image": pa.array(rows, pa.binary())}), source)
+
+    write(data[:6] + [b"\x89PNG\r\n\x1a\n cut"] + data[7:])
+    out = tmp_path / "out.parquet"
+    argv = (str(source), str(out), "--image-field", "image", "--chunk-rows", "3")
+    with pytest.raises(offline.JobError, match="row 7: not an image.*keeps the 6 rows written"):
+        job(clip, *argv)
+    write(data[:1] + data[2:3] + data[2:])  # row 2 is row 3's picture now: the rows written are not these
+    with pytest.raises(offline.OtherJobError, match="its first 6 rows are not the ones embedded"):
+        job(clip, *argv)
+    write(data)
+    job(clip, *argv)
+    assert min_cos(vectors_of(out)[1], expected[:9]) >= 0.99999
