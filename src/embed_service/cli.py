@@ -229,6 +229,8 @@ ENCODE_SETTINGS = (
     "data_parallel_size",
     "tensor_parallel_size",
     "num_threads",
+    "max_image_pixels",
+    "max_image_bytes",
 )
 
 

@@ -41,6 +41,7 @@ from embed_service.engine.engine import Engine
 from embed_service.engine.errors import EngineError, InvalidInputError, OverloadedError
 from embed_service.engine.text import EmbedOptions
 from embed_service.engine_thread import EngineThread
+from embed_service.image_pieces import ImageRoom
 from embed_service.outputs import COLBERT, DENSE, SPARSE, TOKENS, Sparse
 from embed_service.requests import encodings
 from embed_service.requests.embed import (
@@ -430,15 +431,17 @@ def _shape(request: EmbedCall, encoded: Encoded, single: bool) -> Any:
 def pieces(
     inputs: Sequence[Any], prompt: str | None, engine: Engine, most: int = PIECE_INPUTS
 ) -> list[tuple[int, int]]:
-    """(start, end) of consecutive pieces within the engine's per-request budgets (inputs, characters)."""
-    limits = engine.limits
+    """(start, end) of consecutive pieces within the per-request budgets (inputs, characters, images)."""
+    limits, room = engine.limits, ImageRoom(engine.settings)
     most = max(1, min(most, limits.max_inputs))
     out, start, chars = [], 0, 0
     for i, item in enumerate(inputs):
         c = input_chars(item, prompt, limits.max_input_chars)
-        if i > start and (i - start >= most or chars + c > limits.max_request_chars):
+        fits = room.take(item)
+        if i > start and (i - start >= most or chars + c > limits.max_request_chars or not fits):
             out.append((start, i))
             start, chars = i, 0
+            room.restart()
         chars += c
     out.append((start, len(inputs)))
     return out

@@ -4,7 +4,8 @@ In: JSON lines, CSV, Parquet or plain text (one text a line), read in blocks of 
 (offline_input.py; the flag and docs/offline.md say chunk, a word the code keeps for a long text's
 windows); the text from ``--text-field`` and, with ``--id-field``, an id kept beside each vector, one type
 for the whole job (else the row's index, from 0). Out: Parquet (an id column and an ``embedding`` column
-of fixed-size lists) or ``.npy`` (the (n, D) array, and the ids in ``<stem>.ids.npy``).
+of fixed-size lists) or ``.npy`` (the (n, D) array, and the ids in ``<stem>.ids.npy``). With
+``--image-field`` instead, a CLIP or SigLIP model embeds the images of that field (offline_images.py).
 
 Bounded memory: a few blocks are held at a time (read, in the engine, being written), whatever the size of
 the input. The blocks go to the engine as bulk requests (engine/admission.py), two in flight so that the
@@ -42,6 +43,7 @@ import numpy as np
 from embed_service.config import Settings
 from embed_service.embedder import Embedder
 from embed_service.engine.errors import EngineError
+from embed_service.offline_images import ImageColumn, check_image_job, check_model
 from embed_service.offline_input import (
     FORMATS,
     Block,
@@ -339,6 +341,14 @@ def run(
     pyarrow()  # the parts are Parquet files, whatever the input and the output
     if args.chunk_rows < 1:
         raise JobError("--chunk-rows must be at least 1")
+    images = None
+    if args.image_field is not None:  # a column of images (offline_images.py)
+        check_image_job(args, fmt)
+        root = Path(args.image_root) if args.image_root else source.parent
+        images = ImageColumn(source, args.image_field, root.resolve())
+    elif args.image_root is not None:
+        raise JobError("--image-root applies to an --image-field job")
+    field = args.image_field or args.text_field or "text"
     if fmt == "text" and args.id_field:
         raise JobError(
             "--id-field applies to JSON lines, CSV and Parquet; a text file's ids are its row numbers"
@@ -360,8 +370,9 @@ def run(
         "input": {
             "path": str(source.resolve()),
             "format": fmt,
-            "text_field": args.text_field,
+            "text_field": None if images else field,
             "id_field": args.id_field,
+            **({"image_field": field, "image_root": str(images.root)} if images else {}),
             "size": stat.st_size,
             "mtime_ns": stat.st_mtime_ns,
         },
@@ -374,10 +385,10 @@ def run(
     parts.claim(job)
     then = _then(parts.before["input"], job["input"]) if parts.before else ""
     reader = Reader(
-        source, fmt, args.text_field, args.id_field, args.chunk_rows, parts.rows, parts.id_type, then
+        source, fmt, field, args.id_field, args.chunk_rows, parts.rows, parts.id_type, then, images
     )
     try:
-        total = count_rows(source, fmt, args.text_field) if args.progress else None
+        total = count_rows(source, fmt, field) if args.progress else None
         if total is not None and parts.rows > total:
             raise OtherJobError(
                 f"{parts.dir} holds {parts.rows} rows, more than the {total} of {source}{then}; "
@@ -387,6 +398,8 @@ def run(
         if embedder is None:
             embedder = Embedder(**resolved.model_dump())
         try:
+            if images is not None:
+                check_model(embedder.info)
             parts.check_engine(engine_record(embedder))
             progress = Progress(total, parts.rows, args.progress)
             try:
@@ -419,7 +432,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "output", help="Parquet (.parquet: the id and the embedding per row) or .npy (and <stem>.ids.npy)"
     )
     parser.add_argument("--input-format", choices=FORMATS, help="default: from the input's suffix")
-    parser.add_argument("--text-field", default="text", help="the JSON field or column holding the text")
+    parser.add_argument("--text-field", help="the JSON field or column holding the text (default: text)")
+    parser.add_argument(
+        "--image-field",
+        help="instead of a text: the JSON field or column holding an image (a path, bytes, or a {bytes, path} "
+        "struct) for a CLIP or SigLIP model",
+    )
+    parser.add_argument(
+        "--image-root", help="the folder relative image paths are resolved against (default: the input's)"
+    )
     parser.add_argument(
         "--id-field", help="a JSON field or column to keep beside each vector (default: the row number)"
     )

@@ -51,7 +51,7 @@ def pyarrow() -> Any:
 @dataclass
 class Block:
     first: int  # the index of texts[0] among the input's rows (from 0, blank lines not rows)
-    texts: list[str]
+    texts: list[Any]  # the rows' inputs: texts, or images (a path, bytes) for an --image-field job
     ids: Any  # a pyarrow Array of the job's id type, or None: the row indices are the ids
     digest: str  # the hash of every row read up to this block's last, hex
     lines: list[int] | None  # each row's line, for text and JSON lines
@@ -184,8 +184,10 @@ class Reader:
         skip: int = 0,
         id_type: Any = None,
         then: str = "",
+        images: Any = None,
     ):
         self.path, self.fmt, self.text_field, self.id_field = path, fmt, text_field, id_field
+        self.images = images  # an offline_images.ImageColumn: the field holds images, not texts
         self.chunk_rows, self.skip, self.id_type, self.then = chunk_rows, skip, id_type, then
         self._hash = hashlib.sha256()
         self.skipped_digest: str | None = None if skip else self._hash.hexdigest()
@@ -201,7 +203,8 @@ class Reader:
             n = len(batch_texts)
             start = min(n, max(0, self.skip - row))
             if start:
-                _hash_rows(self._hash, batch_texts[:start], batch_ids[:start] if batch_ids else None)
+                skipped = self._keys(batch_texts[:start])
+                _hash_rows(self._hash, skipped, batch_ids[:start] if batch_ids else None)
             if row + start == self.skip and self.skipped_digest is None:
                 self.skipped_digest = self._hash.hexdigest()
                 self.check_skipped(expected)
@@ -230,15 +233,21 @@ class Reader:
 
     def _block(self, first: int, texts: list[Any], ids: list[Any], lines: list[int]) -> Block:
         block = Block(first, texts, None, "", lines if self.fmt in LINE_FORMATS else None)
-        for i, text in enumerate(texts):
+        if self.images is not None:
+            block.texts = self.images.sources(texts, block.where)
+        for i, text in enumerate(texts if self.images is None else ()):
             if not isinstance(text, str) or not text:
-                what = "missing" if text is None else "empty" if text == "" else f"{_kind(text)}, not text"
+                what = "missing" if text is None else "empty" if text == "" else f"{kind_of(text)}, not text"
                 raise JobError(f"{self.path}: {block.where(i)}: the {self.text_field!r} field is {what}")
         if self.id_field is not None:
             block.ids = self._ids(block, ids)
-        _hash_rows(self._hash, texts, ids if self.id_field is not None else None)
+        _hash_rows(self._hash, self._keys(texts), ids if self.id_field is not None else None)
         block.digest = self._hash.hexdigest()
         return block
+
+    def _keys(self, texts: list[Any]) -> list[Any]:
+        """What the hash records of each row's input: a text, or an image cell (offline_images.row_key)."""
+        return texts if self.images is None else self.images.keys(texts)
 
     def _ids(self, block: Block, ids: list[Any]) -> Any:
         """The block's ids as an Arrow array of the job's id type (set here from the first block)."""
@@ -257,7 +266,7 @@ class Reader:
                     pa.array([value], type=want)
                 except errors:
                     raise JobError(
-                        f"{self.path}: {block.where(i)}: the {field!r} field is {_kind(value)} ({value!r}), "
+                        f"{self.path}: {block.where(i)}: the {field!r} field is {kind_of(value)} ({value!r}), "
                         f"where the ids before it are {_arrow_kind(want)}: one id type per job"
                     ) from None
             raise
@@ -265,7 +274,7 @@ class Reader:
         return array
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
     """What a value is, as its JSON type (for a JSON-lines file) or Python's."""
     kinds = {bool: "a boolean", int: "a number", float: "a number", str: "a string", dict: "an object"}
     kinds[list] = "a list"

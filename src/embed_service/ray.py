@@ -14,6 +14,10 @@
     )
     ds.write_parquet("s3://bucket/embeddings/")
 
+Images, for a CLIP or SigLIP model: ``image_column="image"`` embeds that column instead of a text one, over
+``ray.data.read_images`` (each row an (H, W[, C]) uint8 array, taken as ``PIL.Image.fromarray`` makes it),
+``read_parquet`` of encoded bytes or Hugging Face's ``{bytes, path}`` structs, or paths (offline_images.py).
+
 Ray Data's read and write tasks need a CPU each (``num_cpus=1`` by default): a pool whose actors take every
 CPU of the cluster leaves them none, and the job makes no progress and raises nothing. `actor_pool` leaves
 ``reserve_cpus`` free and refuses a pool that would not.
@@ -31,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from embed_service.embedder import Embedder
+from embed_service.offline_images import NotAnImage, image_source
 
 ENCODE_OPTIONS = (
     "normalize",
@@ -72,6 +77,8 @@ class EmbedBatches:
     Args:
         model: as `Embedder` (None: the packaged all-MiniLM-L6-v2).
         column: the column of texts (or token-id lists).
+        image_column: instead, a column of images: (H, W[, C]) uint8 arrays (``read_images``), encoded
+            bytes, ``{bytes, path}`` structs or file paths (relative ones from the working directory).
         output_column: the column the vectors go to: one (D,) array per row, float32 or the
             ``embed_dtype``'s storage.
         **options: `Embedder.encode` options (normalize, dimensions, prompt_name, prompt, truncate,
@@ -84,16 +91,19 @@ class EmbedBatches:
         model: str | None = None,
         *,
         column: str = "text",
+        image_column: str | None = None,
         output_column: str = "embedding",
         **options: Any,
     ):
-        self.column = column
+        self.column, self.image_column = column, image_column
         self.output_column = output_column
         self.encode_options = {k: options.pop(k) for k in ENCODE_OPTIONS if k in options}
         self.embedder = Embedder(model, **options)
 
     def __call__(self, batch: Any) -> Any:
-        texts = _column(batch, self.column)
+        texts = (
+            _column(batch, self.column) if self.image_column is None else _images(batch, self.image_column)
+        )
         if not len(texts):
             vectors = np.zeros((0, self.embedder.dimension), np.float32)
         else:
@@ -114,6 +124,27 @@ def _column(batch: Any, name: str) -> list[Any]:
     else:  # pandas.DataFrame
         values = batch[name].to_numpy()
     return [v.tolist() if isinstance(v, np.ndarray) else v for v in values]
+
+
+def _images(batch: Any, name: str) -> list[Any]:
+    """A batch's image column as `Embedder.encode` takes images; a ValueError names a cell that is none."""
+    if isinstance(batch, dict):
+        values = batch[name]
+    elif hasattr(batch, "column_names"):
+        import pyarrow as pa
+
+        column = batch.column(name)  # Ray's tensor columns (read_images) are extension types: as arrays
+        tensors = isinstance(column.type, pa.ExtensionType)
+        values = column.combine_chunks().to_numpy() if tensors else column.to_pylist()
+    else:
+        values = batch[name].to_numpy()
+    out = []
+    for i, value in enumerate(values):
+        try:
+            out.append(image_source(value, None))
+        except NotAnImage as exc:
+            raise ValueError(f"row {i} of the batch: the {name!r} column is {exc}") from None
+    return out
 
 
 def _with_column(batch: Any, name: str, vectors: np.ndarray) -> Any:
