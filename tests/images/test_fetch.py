@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import shutil
+import ssl
+import subprocess
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -74,6 +78,18 @@ class Handler(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.flush()
             self.server.release.wait()
+        elif path == "/trickle":  # a byte every 0.1 s, each well within a socket's timeout: 100 s in all
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            try:
+                for _ in range(1000):
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                    if self.server.release.wait(0.1):
+                        break
+            except OSError:
+                pass
         else:
             self.answer(404, b"no such picture", {})
 
@@ -85,16 +101,54 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-@pytest.fixture(scope="module")
-def images() -> Iterator[Images]:
+def serve(tls: ssl.SSLContext | None = None) -> Iterator[Images]:
     server = Images(("127.0.0.1", 0), Handler)
     server.hosts, server.release = [], threading.Event()
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server
     server.release.set()
     server.shutdown()
     server.server_close()
+
+
+@pytest.fixture(scope="module")
+def images() -> Iterator[Images]:
+    yield from serve()
+
+
+@pytest.fixture(scope="module")
+def ca(tmp_path_factory) -> Path:
+    """A certificate authority and a certificate it signed for the name "localhost" only (not 127.0.0.1),
+    made with the openssl command."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command makes the test certificates; it is not installed")
+    d = tmp_path_factory.mktemp("tls")
+    (d / "ext").write_text(
+        "subjectAltName=DNS:localhost\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
+        "extendedKeyUsage=serverAuth\nauthorityKeyIdentifier=keyid\n"
+    )
+    for command in (
+        "req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 -subj /CN=test-ca "
+        "-addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign",
+        "req -newkey rsa:2048 -nodes -keyout leaf.key -out leaf.csr -subj /CN=localhost",
+        "x509 -req -in leaf.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out leaf.pem -days 2 -extfile ext",
+    ):
+        subprocess.run(["openssl", *command.split()], cwd=d, check=True, capture_output=True)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tls_images(ca) -> Iterator[Images]:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(ca / "leaf.pem", ca / "leaf.key")
+    names: list[str | None] = []
+    context.sni_callback = lambda sock, name, ctx: names.append(name)
+    for server in serve(context):
+        server.sni = names  # type: ignore[attr-defined]
+        yield server
 
 
 def url(images: Images, path: str, host: str = "127.0.0.1") -> str:
@@ -172,6 +226,30 @@ def test_no_domains_no_fetch(images):
         fetch(url(images, "/img/shapes.png"), "input 0", FetchPolicy(), 10**6, "")
 
 
+def test_https_goes_to_the_vetted_address_with_the_hosts_name_for_sni_and_verification(ca, tls_images):
+    context = ssl.create_default_context(cafile=str(ca / "ca.pem"))
+    p = FetchPolicy(
+        frozenset({"localhost", "127.0.0.1"}),
+        (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128")),
+        5.0,
+        3,
+        context,
+    )
+    link = url(tls_images, "/hops/1/shapes.png", "localhost").replace("http:", "https:")
+    assert fetch(link, "input 0", p, 10**6, "") == PICTURES["shapes.png"]
+    assert (
+        tls_images.sni[-1] == "localhost"
+        and tls_images.hosts[-1] == f"localhost:{tls_images.server_address[1]}"
+    )
+    # the certificate names localhost, not 127.0.0.1: the same server by its address is refused
+    with pytest.raises(ImageError, match=r"input 2: TLS with '127.0.0.1' failed \(CERTIFICATE_VERIFY_FAILED"):
+        fetch(url(tls_images, "/img/shapes.png").replace("http:", "https:"), "input 2", p, 10**6, "")
+    # and so is one whose authority the client does not know (the system's)
+    system = FetchPolicy(p.domains, p.networks, 5.0, 3)
+    with pytest.raises(ImageError, match=r"input 0: TLS with 'localhost' failed \(CERTIFICATE_VERIFY_FAILED"):
+        fetch(link, "input 0", system, 10**6, "")
+
+
 def expected_refusals(images: Images) -> list[tuple[str, str]]:
     """(URL, what the 400 says) for every rule; the byte limit is 300,000 (LIMITS)."""
     port = images.server_address[1]
@@ -202,6 +280,7 @@ def expected_refusals(images: Images) -> list[tuple[str, str]]:
             url(images, "/stall"),
             r"did not finish within 0.5 s; the limit is 0.5 s per image \(--media-fetch-timeout\)",
         ),
+        (url(images, "/trickle"), r"did not finish within 0.5 s; the limit is 0.5 s per image"),
         (url(images, "/missing.png"), r"answered HTTP 404"),
         (
             f"http://user:pw@127.0.0.1:{port}/img/shapes.png",

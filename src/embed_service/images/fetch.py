@@ -27,6 +27,7 @@ adds no runtime dependency; httpx would pin an address only through its transpor
 
 from __future__ import annotations
 
+import functools
 import http.client
 import ipaddress
 import socket
@@ -59,6 +60,13 @@ def pool(name: str, workers: int) -> ThreadPoolExecutor:
         if name not in _pools:
             _pools[name] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"image-{name}")
         return _pools[name]
+
+
+@functools.cache
+def _system_tls() -> ssl.SSLContext:
+    """The system's certificate authorities (``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` name others), host names
+    checked: made once, shared by every fetch."""
+    return ssl.create_default_context()
 
 
 def is_url(text: str) -> bool:
@@ -195,28 +203,49 @@ def _timeout(what: str, policy: FetchPolicy) -> ImageError:
 
 
 class _Pinned(http.client.HTTPConnection):
-    """An HTTP connection to `host` (its Host header) opened to one of `addresses` (already vetted)."""
+    """An HTTP connection to `host` (its Host header) opened to one of `addresses` (already vetted), each
+    attempt within what is left before `deadline`. `watch` is a duplicate of the socket, which the watchdog
+    shuts at the deadline whatever the connection is doing (a TLS handshake included)."""
 
-    def __init__(self, host: str, port: int, addresses: list[str], timeout: float):
-        super().__init__(host, port, timeout=timeout)
-        self.addresses = addresses
+    def __init__(self, host: str, port: int, addresses: list[str], deadline: float):
+        super().__init__(host, port)
+        self.addresses, self.deadline = addresses, deadline
+        self.watch: socket.socket | None = None
 
     def _open(self) -> socket.socket:
-        error: OSError | None = None
+        error: OSError = TimeoutError()
         for address in self.addresses:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError()
             try:
-                return socket.create_connection((address, self.port), self.timeout)
+                sock = socket.create_connection((address, self.port), left)
             except OSError as e:
                 error = e
-        raise error or OSError("no address")
+                continue
+            self.watch = sock.dup()
+            return sock
+        raise error
 
     def connect(self) -> None:
         self.sock = self._open()
 
+    def shut(self) -> None:
+        if self.watch is not None:
+            try:
+                self.watch.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        super().close()
+        if self.watch is not None:
+            self.watch.close()
+
 
 class _PinnedTLS(_Pinned):
-    def __init__(self, host: str, port: int, addresses: list[str], timeout: float, context: ssl.SSLContext):
-        super().__init__(host, port, addresses, timeout)
+    def __init__(self, host: str, port: int, addresses: list[str], deadline: float, context: ssl.SSLContext):
+        super().__init__(host, port, addresses, deadline)
         self.context = context
 
     def connect(self) -> None:
@@ -233,21 +262,14 @@ def _get(
     if left <= 0:
         raise _timeout(what, policy)
     if scheme == "https":
-        conn: _Pinned = _PinnedTLS(
-            host, port, addresses, left, policy.context or ssl.create_default_context()
-        )
+        conn: _Pinned = _PinnedTLS(host, port, addresses, deadline, policy.context or _system_tls())
     else:
-        conn = _Pinned(host, port, addresses, left)
+        conn = _Pinned(host, port, addresses, deadline)
     fired = threading.Event()
 
-    def shut() -> None:  # at the deadline, whatever the connection is doing
+    def shut() -> None:  # at the deadline
         fired.set()
-        sock = conn.sock
-        if sock is not None:
-            try:
-                socket.socket.shutdown(sock, socket.SHUT_RDWR)
-            except OSError:
-                pass
+        conn.shut()
 
     watchdog = threading.Timer(left, shut)
     watchdog.daemon = True
@@ -278,11 +300,14 @@ def _get(
     except ImageError:
         raise
     except ssl.SSLError as e:
-        raise ImageError(f"{what}: TLS with {host!r} failed ({e.reason or e})") from None
+        detail = getattr(e, "verify_message", None)
+        reason = f"{e.reason}: {detail}" if detail else str(e.reason or e)
+        raise ImageError(f"{what}: TLS with {host!r} failed ({reason})") from None
     except (OSError, http.client.HTTPException) as e:
         if fired.is_set() or isinstance(e, TimeoutError):
             raise _timeout(what, policy) from None
         raise ImageError(f"{what}: fetching {_short(url)} failed ({type(e).__name__}: {e})") from None
     finally:
         watchdog.cancel()
+        watchdog.join()  # a watchdog that fired has let go of the socket before it is closed
         conn.close()
