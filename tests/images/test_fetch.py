@@ -339,7 +339,10 @@ def test_every_fetch_refusal_is_a_400_naming_the_input_and_the_server_keeps_serv
     got = vectors(post(fetching_server, {"input": good}))
     assert min_cos(got[:1], got[1:]) >= 0.999999
     metrics = httpx.get(fetching_server.url + "/metrics", timeout=30).text
-    assert "embed_images_total" in metrics
+    counted = dict(re.findall(r'embed_image_fetches_total\{model="clip",result="(\w+)"\} ([0-9.]+)', metrics))
+    for result, n in {"not_allowed": 5, "redirects": 1, "too_large": 3, "timeout": 2, "status": 1}.items():
+        assert float(counted[result]) == n, (result, counted)
+    assert float(counted["ok"]) >= 3, counted
 
 
 def test_the_python_api_fetches_as_the_server_does(clip_path, images):  # noqa: F811
@@ -356,3 +359,22 @@ def test_the_python_api_fetches_as_the_server_does(clip_path, images):  # noqa: 
             e.encode([{"image": url(images, "/img/noise.jpg", "localhost")}])
         with pytest.raises(InvalidInputError, match=r"input 1: the host '127.0.0.1' is not one of"):
             e.encode(["a text", {"image": url(images, "/img/noise.jpg")}])
+
+
+def test_the_settings_take_comma_lists_from_variables_and_refuse_a_bad_network(monkeypatch):
+    from pydantic import ValidationError
+
+    from embed_service.config import Settings
+
+    monkeypatch.setenv("EMBED_ALLOWED_MEDIA_DOMAINS", "img.example.com, CDN.example.com.")
+    monkeypatch.setenv("EMBED_ALLOWED_MEDIA_NETWORKS", "10.1.2.3/24")
+    s = Settings()
+    assert s.allowed_media_domains == ["img.example.com", "CDN.example.com."]
+    assert s.allowed_media_networks == ["10.1.2.0/24"]
+    p = FetchPolicy.of(s.allowed_media_domains, s.allowed_media_networks, s.media_fetch_timeout, 3)
+    assert p.domains == {"img.example.com", "cdn.example.com"}  # names compare as DNS does
+    assert refusal(ipaddress.ip_address("10.1.2.200"), p.networks) is None
+    with pytest.raises(ValidationError, match=r"allowed_media_networks[\s\S]*not-a-network"):
+        Settings(allowed_media_networks="10.0.0.0/8,not-a-network")
+    with pytest.raises(ValidationError, match="media_fetch_timeout"):
+        Settings(media_fetch_timeout=0)

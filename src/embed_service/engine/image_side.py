@@ -94,6 +94,9 @@ class ImageSide(TextSide):
             pixels = await loop.run_in_executor(pool("fetch", 16) if remote else self._tokenize_pool, decode)
         except ImageError as exc:
             raise InvalidInputError(str(exc)) from None
+        finally:
+            for result, n in stats.fetches.items():
+                metrics.IMAGE_FETCHES.labels(self.name, result).inc(n)
         metrics.IMAGES.labels(self.name).inc(stats.images)
         metrics.IMAGE_BYTES.labels(self.name).inc(stats.bytes)
         metrics.IMAGE_DECODE_DURATION.labels(self.name).observe(stats.decode_seconds)

@@ -133,13 +133,24 @@ def fetch(url: str, what: str, policy: FetchPolicy, limit: int, limit_text: str)
         status, location, body = _get(url, what, policy, limit, limit_text, deadline)
         if location is None:
             if not 200 <= status < 300:
-                raise ImageError(f"{what}: {_short(url)} answered HTTP {status}")
+                raise FetchError(f"{what}: {_short(url)} answered HTTP {status}", "status")
             return body
         url = urljoin(url, location)
-    raise ImageError(
+    raise FetchError(
         f"{what}: more than {policy.max_redirects} redirects; the limit is {policy.max_redirects} "
-        "(--media-max-redirects)"
+        "(--media-max-redirects)",
+        "redirects",
     )
+
+
+class FetchError(ImageError):
+    """A fetch refused or failed; `reason` counts it in embed_image_fetches_total: ``not_allowed`` (a
+    scheme, host or address the rules refuse), ``redirects``, ``too_large``, ``timeout``, ``status`` (not
+    2xx) or ``failed`` (the lookup, the connection, TLS)."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 def _short(url: str) -> str:
@@ -152,17 +163,18 @@ def _target(url: str, what: str, policy: FetchPolicy) -> tuple[str, str, int, st
         parts = urlsplit(url)
         port = parts.port
     except ValueError:
-        raise ImageError(f"{what}: not a valid URL: {_short(url)}") from None
+        raise FetchError(f"{what}: not a valid URL: {_short(url)}", "not_allowed") from None
     scheme, host = parts.scheme.lower(), (parts.hostname or "").rstrip(".")
     if scheme not in ("http", "https"):
-        raise ImageError(f"{what}: the {scheme!r} scheme is not fetched; only http and https")
+        raise FetchError(f"{what}: the {scheme!r} scheme is not fetched; only http and https", "not_allowed")
     if parts.username is not None or parts.password is not None:
-        raise ImageError(f"{what}: a URL with a user name or password is not fetched")
+        raise FetchError(f"{what}: a URL with a user name or password is not fetched", "not_allowed")
     if not host.isascii():
-        raise ImageError(f"{what}: write the host {host!r} in its ASCII (punycode) form")
+        raise FetchError(f"{what}: write the host {host!r} in its ASCII (punycode) form", "not_allowed")
     if host not in policy.domains:
-        raise ImageError(
-            f"{what}: the host {host!r} is not one of --allowed-media-domains ({', '.join(sorted(policy.domains))})"
+        raise FetchError(
+            f"{what}: the host {host!r} is not one of --allowed-media-domains ({', '.join(sorted(policy.domains))})",
+            "not_allowed",
         )
     path = parts.path or "/"
     if parts.query:
@@ -178,27 +190,29 @@ def _resolve(host: str, port: int, what: str, policy: FetchPolicy, deadline: flo
     except FutureTimeout:
         raise _timeout(what, policy) from None
     except OSError as e:
-        raise ImageError(f"{what}: the host {host!r} cannot be resolved ({e})") from None
+        raise FetchError(f"{what}: the host {host!r} cannot be resolved ({e})", "failed") from None
     addresses: list[str] = []
     for *_, sockaddr in answers:
         ip = ipaddress.ip_address(str(sockaddr[0]).split("%")[0])
         why = refusal(ip, policy.networks)
         if why:
-            raise ImageError(
+            raise FetchError(
                 f"{what}: the host {host!r} resolves to {ip}, a {why} address; fetching from it needs its "
-                "network in --allowed-media-networks"
+                "network in --allowed-media-networks",
+                "not_allowed",
             )
         if str(ip) not in addresses:
             addresses.append(str(ip))
     if not addresses:
-        raise ImageError(f"{what}: the host {host!r} has no address")
+        raise FetchError(f"{what}: the host {host!r} has no address", "failed")
     return addresses
 
 
 def _timeout(what: str, policy: FetchPolicy) -> ImageError:
-    return ImageError(
+    return FetchError(
         f"{what}: the fetch did not finish within {policy.timeout:g} s; the limit is {policy.timeout:g} s "
-        "per image (--media-fetch-timeout)"
+        "per image (--media-fetch-timeout)",
+        "timeout",
     )
 
 
@@ -283,30 +297,37 @@ def _get(
             return response.status, None, b""
         length = response.getheader("Content-Length")
         if length is not None and length.strip().isdigit() and int(length) > limit:
-            raise ImageError(
-                f"{what}: {_short(url)} has a Content-Length of {int(length)} bytes; {limit_text}"
+            raise FetchError(
+                f"{what}: {_short(url)} has a Content-Length of {int(length)} bytes; {limit_text}",
+                "too_large",
             )
         chunks, size = [], 0
         while chunk := response.read1(READ_SIZE):
             size += len(chunk)
             if size > limit:
-                raise ImageError(f"{what}: {_short(url)} sent more than {limit} bytes; {limit_text}")
+                raise FetchError(
+                    f"{what}: {_short(url)} sent more than {limit} bytes; {limit_text}", "too_large"
+                )
             chunks.append(chunk)
         if fired.is_set():
             raise _timeout(what, policy)
         if response.length:  # the connection closed early
-            raise ImageError(f"{what}: {_short(url)} closed after {size} of {size + response.length} bytes")
+            raise FetchError(
+                f"{what}: {_short(url)} closed after {size} of {size + response.length} bytes", "failed"
+            )
         return response.status, None, b"".join(chunks)
-    except ImageError:
+    except FetchError:
         raise
     except ssl.SSLError as e:
         detail = getattr(e, "verify_message", None)
         reason = f"{e.reason}: {detail}" if detail else str(e.reason or e)
-        raise ImageError(f"{what}: TLS with {host!r} failed ({reason})") from None
+        raise FetchError(f"{what}: TLS with {host!r} failed ({reason})", "failed") from None
     except (OSError, http.client.HTTPException) as e:
         if fired.is_set() or isinstance(e, TimeoutError):
             raise _timeout(what, policy) from None
-        raise ImageError(f"{what}: fetching {_short(url)} failed ({type(e).__name__}: {e})") from None
+        raise FetchError(
+            f"{what}: fetching {_short(url)} failed ({type(e).__name__}: {e})", "failed"
+        ) from None
     finally:
         watchdog.cancel()
         watchdog.join()  # a watchdog that fired has let go of the socket before it is closed

@@ -25,7 +25,7 @@ from embed_service.images.decode import (
     decode_base64,
     load_rgb,
 )
-from embed_service.images.fetch import FetchPolicy, fetch, is_url
+from embed_service.images.fetch import FetchError, FetchPolicy, fetch, is_url
 from embed_service.images.preprocess import ImageProcessor
 
 TEXT, IMAGE = "text", "image"
@@ -78,6 +78,8 @@ class ImageStats:
     images: int = 0
     bytes: int = 0
     decode_seconds: float = 0.0
+    fetches: dict[str, int] = field(default_factory=dict)
+    """URLs fetched, by result: ``ok`` or a FetchError's reason."""
 
 
 @dataclass
@@ -111,7 +113,7 @@ class ImagePreparer:
             picture = source
             size = 0
         else:
-            data = self._bytes(source, what, budget)
+            data = self._fetched(source, what, budget, stats)
             budget.take(len(data), what)
             picture, size = load_rgb(data, what, self.limits, budget), len(data)
         out = self.processor(picture).tobytes()
@@ -128,6 +130,18 @@ class ImagePreparer:
     def fetches(self, source: Any) -> bool:
         """Whether `source` is a URL this preparer would fetch (so it is worth a thread of its own)."""
         return bool(self.fetching.domains) and isinstance(source, str) and is_url(source)
+
+    def _fetched(self, source: Any, what: str, budget: RequestBudget, stats: ImageStats | None) -> bytes:
+        """`_bytes`, with a fetch's result counted in `stats`."""
+        if stats is None or not self.fetches(source):
+            return self._bytes(source, what, budget)
+        try:
+            data = self._bytes(source, what, budget)
+        except FetchError as e:
+            stats.fetches[e.reason] = stats.fetches.get(e.reason, 0) + 1
+            raise
+        stats.fetches["ok"] = stats.fetches.get("ok", 0) + 1
+        return data
 
     def _bytes(self, source: Any, what: str, budget: RequestBudget) -> bytes:
         if isinstance(source, (bytes, bytearray, memoryview)):
