@@ -89,7 +89,7 @@ class FetchPolicy:
     @classmethod
     def of(cls, domains: list[str], networks: list[str], timeout: float, max_redirects: int) -> FetchPolicy:
         return cls(
-            frozenset(d.lower().rstrip(".") for d in domains),
+            frozenset(d.strip().strip("[]").lower().rstrip(".") for d in domains),
             tuple(ipaddress.ip_network(n, strict=False) for n in networks),
             timeout,
             max_redirects,

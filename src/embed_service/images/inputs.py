@@ -12,6 +12,7 @@ long as its vision-tower tokens (its cost), its pixels in its OutputRequest.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,7 @@ class ImageStats:
     images: int = 0
     bytes: int = 0
     decode_seconds: float = 0.0
-    fetches: dict[str, int] = field(default_factory=dict)
+    fetches: Counter[str] = field(default_factory=Counter)
     """URLs fetched, by result: ``ok`` or a FetchError's reason."""
 
 
@@ -138,9 +139,9 @@ class ImagePreparer:
         try:
             data = self._bytes(source, what, budget)
         except FetchError as e:
-            stats.fetches[e.reason] = stats.fetches.get(e.reason, 0) + 1
+            stats.fetches[e.reason] += 1
             raise
-        stats.fetches["ok"] = stats.fetches.get("ok", 0) + 1
+        stats.fetches["ok"] += 1
         return data
 
     def _bytes(self, source: Any, what: str, budget: RequestBudget) -> bytes:
