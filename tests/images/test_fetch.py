@@ -78,16 +78,13 @@ class Handler(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.flush()
             self.server.release.wait()
-        elif path == "/trickle":  # a byte every 0.1 s, each well within a socket's timeout: 100 s in all
+        elif path == "/trickle":  # a byte every 0.1 s, each well within a socket's timeout, without end
             self.send_response(200)
-            self.send_header("Content-Length", "1000")
             self.end_headers()
             try:
-                for _ in range(1000):
+                while not self.server.release.wait(0.1):
                     self.wfile.write(b"x")
                     self.wfile.flush()
-                    if self.server.release.wait(0.1):
-                        break
             except OSError:
                 pass
         else:
@@ -217,6 +214,24 @@ def test_a_name_that_resolves_to_loopback_is_refused_without_the_network_opt_in(
         ImageError, match=r"input 3: the host 'localhost' resolves to .*, a loopback address; "
     ):
         fetch(url(images, "/img/shapes.png", "localhost"), "input 3", policy(networks=[]), 10**6, "")
+
+
+def test_the_deadline_holds_against_a_body_that_trickles_without_end(images):
+    """Each byte comes well within a socket timeout; only the deadline's watchdog ends the fetch. (60 s is
+    a bound for a loaded machine, not a speed: without the watchdog the fetch never ends.)"""
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fetch(url(images, "/trickle"), "input 0", policy(), 10**6, "")
+        except BaseException as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "the fetch outlived its 0.5 s deadline"
+    assert re.match(r"input 0: the fetch did not finish within 0.5 s", str(outcome[0])), outcome
 
 
 def test_no_domains_no_fetch(images):

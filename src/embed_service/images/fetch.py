@@ -251,8 +251,10 @@ class _Pinned(http.client.HTTPConnection):
             except OSError:
                 pass
 
-    def close(self) -> None:
-        super().close()
+    def release(self) -> None:
+        """After the response too is done with the socket. (Not in ``close``: http.client closes the
+        connection when it hands the socket to a response that will close it, before its body is read.)"""
+        self.close()
         if self.watch is not None:
             self.watch.close()
 
@@ -285,12 +287,14 @@ def _get(
         fired.set()
         conn.shut()
 
+    held: list[http.client.HTTPResponse] = []
     watchdog = threading.Timer(left, shut)
     watchdog.daemon = True
     watchdog.start()
     try:
         conn.request("GET", path, headers={"Accept": "image/*", "User-Agent": "embed-service"})
         response = conn.getresponse()
+        held.append(response)
         if response.status in REDIRECTS and response.getheader("Location"):
             return response.status, response.getheader("Location"), b""
         if not 200 <= response.status < 300:
@@ -331,4 +335,6 @@ def _get(
     finally:
         watchdog.cancel()
         watchdog.join()  # a watchdog that fired has let go of the socket before it is closed
-        conn.close()
+        for response in held:
+            response.close()
+        conn.release()
