@@ -6,6 +6,7 @@ a CLI flag and an ``EMBED_*`` variable. Several models: ``ServeConfig`` holds th
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 from dataclasses import dataclass
@@ -248,6 +249,20 @@ class ModelSettings(BaseSettings):
     max_request_image_pixels: int = 1 << 28
     """Decoded pixels (from each header, before decoding) of all the image inputs of one request; more is a 400."""
 
+    allowed_media_domains: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Hosts image inputs may be fetched from by http:// or https:// URL, each matched exactly (a subdomain
+    is a host of its own); comma-separated or repeated. Default: none, and a URL is a 400."""
+
+    allowed_media_networks: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Address ranges (CIDR, e.g. ``10.1.2.0/24``) an allowed host may resolve to although they are private,
+    loopback, link-local or otherwise not public, for an internal image store. Default: none."""
+
+    media_fetch_timeout: float = 10.0
+    """Seconds one image's fetch may take, the lookup, every redirect and the body together; more is a 400."""
+
+    media_max_redirects: int = 3
+    """Redirects one image's fetch follows, each checked as the first URL; more is a 400."""
+
     max_request_chars: int = 8 * 1024 * 1024
     """Characters one request may have tokenized: each input's (prompt + text, at most
     --max-input-chars), summed; more is a 400 before any tokenization."""
@@ -340,7 +355,7 @@ class ModelSettings(BaseSettings):
             raise ValueError("must be a cosine between 0 and 1")
         return v
 
-    @field_validator("served_model_name", mode="before")
+    @field_validator("served_model_name", "allowed_media_domains", "allowed_media_networks", mode="before")
     @classmethod
     def _split_names(cls, v: object) -> object:
         # EMBED_SERVED_MODEL_NAME="a,b" or "a" (or a JSON list); each flag value may hold commas too.
@@ -348,6 +363,18 @@ class ModelSettings(BaseSettings):
             v = json.loads(v) if v.lstrip().startswith("[") else [v]
         if isinstance(v, list) and all(isinstance(item, str) for item in v):
             return [name.strip() for item in v for name in item.split(",") if name.strip()]
+        return v
+
+    @field_validator("allowed_media_networks")
+    @classmethod
+    def _networks(cls, v: list[str]) -> list[str]:
+        return [str(ipaddress.ip_network(n, strict=False)) for n in v]  # a ValueError names the bad one
+
+    @field_validator("media_fetch_timeout")
+    @classmethod
+    def _fetch_seconds(cls, v: float) -> float:
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError("must be a number of seconds, more than 0")
         return v
 
     @field_validator("served_model_name")
@@ -380,7 +407,13 @@ class ModelSettings(BaseSettings):
     def _positive(cls, v: int | None) -> int | None:
         return _check_positive(v)
 
-    @field_validator("priority_max_tokens", "interactive_reserved_inputs", "bulk_aging_s", "chunk_overlap")
+    @field_validator(
+        "priority_max_tokens",
+        "interactive_reserved_inputs",
+        "bulk_aging_s",
+        "chunk_overlap",
+        "media_max_redirects",
+    )
     @classmethod
     def _not_negative(cls, v: float) -> float:
         return _check_not_negative(v)

@@ -52,6 +52,13 @@ IMAGE_BYTES = Counter(
     ["model"],
     registry=REGISTRY,
 )
+IMAGE_FETCHES = Counter(
+    "embed_image_fetches_total",
+    "Image URLs fetched (--allowed-media-domains), by result: ok, not_allowed, redirects, too_large, "
+    "timeout, status or failed.",
+    ["model", "result"],
+    registry=REGISTRY,
+)
 IMAGE_DECODE_DURATION = Histogram(
     "embed_image_decode_duration_seconds",
     "Time to decode and preprocess one request's images.",

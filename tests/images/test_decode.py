@@ -139,7 +139,10 @@ def test_corrupt_png_data_is_refused():
 
 
 def test_remote_urls_are_refused():
-    with pytest.raises(ImageError, match="input\\[4\\]: remote image URLs are not fetched"):
+    with pytest.raises(
+        ImageError,
+        match=r"input\[4\]: remote image URLs are not fetched by default; .*--allowed-media-domains",
+    ):
         decode_base64("https://example.com/cat.png", "input[4]", LIMITS)
 
 

@@ -142,7 +142,7 @@ def test_image_refusals_are_400s_naming_the_input_and_the_limit(clip_server):
         ),
         (
             {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
-            r"input 1: remote image URLs are not fetched",
+            r"input 1: remote image URLs are not fetched by default; .*--allowed-media-domains",
         ),
         ({"image": "not base64!"}, r"input 1: not valid base64"),
         ({"type": "video_url", "video_url": {}}, r"item 1: unknown input object"),

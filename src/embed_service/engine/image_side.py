@@ -20,6 +20,7 @@ from embed_service.engine.admission import check_request
 from embed_service.engine.errors import InvalidInputError
 from embed_service.engine.text import EmbedOptions, TextSide
 from embed_service.images.decode import ImageError, ImageLimits
+from embed_service.images.fetch import FetchPolicy, pool
 from embed_service.images.inputs import ImageInput, ImagePreparer, ImageStats
 from embed_service.outputs import DENSE, DENSE_ONLY, OutputRequest
 
@@ -46,7 +47,15 @@ class ImageSide(TextSide):
             limits = ImageLimits(
                 s.max_image_pixels, s.max_image_bytes, s.max_request_image_bytes, s.max_request_image_pixels
             )
-            self._preparer = ImagePreparer(self.spec.image_processor, self.spec.tokens_per_image, limits)
+            fetching = FetchPolicy.of(
+                s.allowed_media_domains,
+                s.allowed_media_networks,
+                s.media_fetch_timeout,
+                s.media_max_redirects,
+            )
+            self._preparer = ImagePreparer(
+                self.spec.image_processor, self.spec.tokens_per_image, limits, fetching
+            )
         return self._preparer
 
     async def prepare_items(
@@ -78,11 +87,16 @@ class ImageSide(TextSide):
                 if isinstance(x, ImageInput)
             ]
 
+        # A request that fetches URLs waits on other hosts: on threads of its own, not the tokenization's.
+        remote = any(isinstance(x, ImageInput) and prep.fetches(x.source) for x in inputs)
         loop = asyncio.get_running_loop()
         try:
-            pixels = await loop.run_in_executor(self._tokenize_pool, decode)
+            pixels = await loop.run_in_executor(pool("fetch", 16) if remote else self._tokenize_pool, decode)
         except ImageError as exc:
             raise InvalidInputError(str(exc)) from None
+        finally:
+            for result, n in stats.fetches.items():
+                metrics.IMAGE_FETCHES.labels(self.name, result).inc(n)
         metrics.IMAGES.labels(self.name).inc(stats.images)
         metrics.IMAGE_BYTES.labels(self.name).inc(stats.bytes)
         metrics.IMAGE_DECODE_DURATION.labels(self.name).observe(stats.decode_seconds)

@@ -28,6 +28,10 @@ from PIL import Image, ImageOps
 # PIL's format names -> what error messages call them.
 FORMATS = {"PNG": "PNG", "JPEG": "JPEG", "WEBP": "WebP", "GIF": "GIF"}
 MEDIA_TYPES = {"image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif"}
+REMOTE_REFUSED = (
+    "remote image URLs are not fetched by default; send the image as a data URL or base64, or start the "
+    "server with --allowed-media-domains HOST,... to fetch images from those hosts (docs/api.md#images)"
+)
 
 
 class ImageError(ValueError):
@@ -79,7 +83,7 @@ def decode_base64(text: str, what: str, limits: ImageLimits) -> bytes:
     """A data URL (``data:image/png;base64,...``) or bare base64 to bytes, its size checked from the text's
     length before it is decoded."""
     if text.startswith(("http://", "https://")):
-        raise ImageError(f"{what}: remote image URLs are not fetched; send the image as a data URL or base64")
+        raise ImageError(f"{what}: {REMOTE_REFUSED}")
     payload = text
     if text.startswith("data:"):
         header, sep, payload = text.partition(",")

@@ -3,7 +3,8 @@
 An input item is a text or an image: a plain string, or an object in one of the shapes other servers take,
 the OpenAI chat content part (``{"type": "text", "text": ...}``, ``{"type": "image_url", "image_url":
 {"url": "data:image/png;base64,..."}}``, the url also as a bare string) and Jina's (``{"text": ...}``,
-``{"image": "<data URL or base64>"}``). An image becomes pixel values here, in the front end (decode.py,
+``{"image": "<data URL or base64>"}``); a URL instead of the data is fetched from an allowed host only
+(fetch.py). An image becomes pixel values here, in the front end (decode.py,
 preprocess.py), bounded before it is paid for; the batcher carries it as a sequence of placeholder ids as
 long as its vision-tower tokens (its cost), its pixels in its OutputRequest.
 """
@@ -11,6 +12,7 @@ long as its vision-tower tokens (its cost), its pixels in its OutputRequest.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from embed_service.images.decode import (
     decode_base64,
     load_rgb,
 )
+from embed_service.images.fetch import FetchError, FetchPolicy, fetch, is_url
 from embed_service.images.preprocess import ImageProcessor
 
 TEXT, IMAGE = "text", "image"
@@ -31,8 +34,9 @@ TEXT, IMAGE = "text", "image"
 
 @dataclass(frozen=True)
 class ImageInput:
-    """One image among a request's inputs: a data URL or base64 string (the routes), or bytes, a path or a
-    PIL image (the Python API). A request's input list holds these beside its texts."""
+    """One image among a request's inputs: a data URL, base64 or an http(s) URL of an allowed host (the
+    routes), or bytes, a path or a PIL image (the Python API). A request's input list holds these beside
+    its texts."""
 
     source: Any
 
@@ -75,6 +79,8 @@ class ImageStats:
     images: int = 0
     bytes: int = 0
     decode_seconds: float = 0.0
+    fetches: Counter[str] = field(default_factory=Counter)
+    """URLs fetched, by result: ``ok`` or a FetchError's reason."""
 
 
 @dataclass
@@ -84,6 +90,8 @@ class ImagePreparer:
     processor: ImageProcessor
     tokens_per_image: int
     limits: ImageLimits = field(default_factory=ImageLimits)
+    fetching: FetchPolicy = field(default_factory=FetchPolicy)
+    """Which URLs may be fetched (fetch.py); by default none."""
 
     def request(self) -> RequestBudget:
         return RequestBudget(self.limits)
@@ -106,7 +114,7 @@ class ImagePreparer:
             picture = source
             size = 0
         else:
-            data = self._bytes(source, what)
+            data = self._fetched(source, what, budget, stats)
             budget.take(len(data), what)
             picture, size = load_rgb(data, what, self.limits, budget), len(data)
         out = self.processor(picture).tobytes()
@@ -120,7 +128,23 @@ class ImagePreparer:
         """The ids an image's sequence carries through the batcher: as many as its vision-tower tokens."""
         return [0] * self.tokens_per_image
 
-    def _bytes(self, source: Any, what: str) -> bytes:
+    def fetches(self, source: Any) -> bool:
+        """Whether `source` is a URL this preparer would fetch (so it is worth a thread of its own)."""
+        return bool(self.fetching.domains) and isinstance(source, str) and is_url(source)
+
+    def _fetched(self, source: Any, what: str, budget: RequestBudget, stats: ImageStats | None) -> bytes:
+        """`_bytes`, with a fetch's result counted in `stats`."""
+        if stats is None or not self.fetches(source):
+            return self._bytes(source, what, budget)
+        try:
+            data = self._bytes(source, what, budget)
+        except FetchError as e:
+            stats.fetches[e.reason] += 1
+            raise
+        stats.fetches["ok"] += 1
+        return data
+
+    def _bytes(self, source: Any, what: str, budget: RequestBudget) -> bytes:
         if isinstance(source, (bytes, bytearray, memoryview)):
             return bytes(source)
         if isinstance(source, Path):
@@ -130,6 +154,16 @@ class ImagePreparer:
                     f"{what}: {size} bytes; the limit is {self.limits.max_bytes} bytes per image (--max-image-bytes)"
                 )
             return source.read_bytes()
+        if isinstance(source, str) and is_url(source):
+            # read no further than the image's limit, or what is left of the request's
+            limits, left = self.limits, self.limits.max_request_bytes - budget.used
+            if left < limits.max_bytes:
+                text = (
+                    f"the limit is {limits.max_request_bytes} bytes per request (--max-request-image-bytes)"
+                )
+                return fetch(source, what, self.fetching, left, text)
+            text = f"the limit is {limits.max_bytes} bytes per image (--max-image-bytes)"
+            return fetch(source, what, self.fetching, limits.max_bytes, text)
         if isinstance(source, str):
             return decode_base64(source, what, self.limits)
         raise ImageError(f"{what}: an image must be a data URL, base64, bytes, a path or a PIL image")
