@@ -258,7 +258,8 @@ class ModelSettings(BaseSettings):
     loopback, link-local or otherwise not public, for an internal image store. Default: none."""
 
     media_fetch_timeout: float = 10.0
-    """Seconds one image's fetch may take, the lookup, every redirect and the body together; more is a 400."""
+    """Seconds the URL fetches of one request's images may take together (every lookup, redirect and body,
+    counted from the first fetch); more is a 400."""
 
     media_max_redirects: int = 3
     """Redirects one image's fetch follows, each checked as the first URL; more is a 400."""

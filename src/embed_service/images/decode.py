@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -56,6 +57,14 @@ class RequestBudget:
 
     def __init__(self, limits: ImageLimits):
         self.limits, self.used, self.pixels = limits, 0, 0
+        self._fetch_deadline: float | None = None
+
+    def fetch_deadline(self, timeout: float) -> float:
+        """The time.monotonic() by which all of the request's URL fetches must be done: `timeout` seconds
+        after its first one started."""
+        if self._fetch_deadline is None:
+            self._fetch_deadline = time.monotonic() + timeout
+        return self._fetch_deadline
 
     def take_pixels(self, width: int, height: int, what: str) -> None:
         """Checked from the header, before the pixels are decoded."""

@@ -123,12 +123,12 @@ def refusal(ip: Address, allowed: tuple[Network, ...] = ()) -> str | None:
     return None
 
 
-def fetch(url: str, what: str, policy: FetchPolicy, limit: int, limit_text: str) -> bytes:
+def fetch(url: str, what: str, policy: FetchPolicy, limit: int, limit_text: str, deadline: float) -> bytes:
     """The body of `url` (at most `limit` bytes; `limit_text` says which limit, for the refusal), held to
-    `policy`. Every refusal is an ImageError naming `what`."""
+    `policy`, done by `deadline` (time.monotonic(): the request's, shared by all its fetches). Every refusal
+    is an ImageError naming `what`."""
     if not policy.domains:
         raise ImageError(f"{what}: {REMOTE_REFUSED}")
-    deadline = time.monotonic() + policy.timeout
     for _ in range(policy.max_redirects + 1):
         status, location, body = _get(url, what, policy, limit, limit_text, deadline)
         if location is None:
@@ -210,8 +210,8 @@ def _resolve(host: str, port: int, what: str, policy: FetchPolicy, deadline: flo
 
 def _timeout(what: str, policy: FetchPolicy) -> ImageError:
     return FetchError(
-        f"{what}: the fetch did not finish within {policy.timeout:g} s; the limit is {policy.timeout:g} s "
-        "per image (--media-fetch-timeout)",
+        f"{what}: the request's image fetches did not finish within {policy.timeout:g} s; the limit is "
+        f"{policy.timeout:g} s per request (--media-fetch-timeout)",
         "timeout",
     )
 

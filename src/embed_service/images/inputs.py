@@ -161,9 +161,18 @@ class ImagePreparer:
                 text = (
                     f"the limit is {limits.max_request_bytes} bytes per request (--max-request-image-bytes)"
                 )
-                return fetch(source, what, self.fetching, left, text)
+                return fetch(
+                    source, what, self.fetching, left, text, budget.fetch_deadline(self.fetching.timeout)
+                )
             text = f"the limit is {limits.max_bytes} bytes per image (--max-image-bytes)"
-            return fetch(source, what, self.fetching, limits.max_bytes, text)
+            return fetch(
+                source,
+                what,
+                self.fetching,
+                limits.max_bytes,
+                text,
+                budget.fetch_deadline(self.fetching.timeout),
+            )
         if isinstance(source, str):
             return decode_base64(source, what, self.limits)
         raise ImageError(f"{what}: an image must be a data URL, base64, bytes, a path or a PIL image")
