@@ -5,7 +5,8 @@ changed. Prints the re-index's hit ratio and its time against the same re-index 
     python -m benchmarks.cache_reindex --passages 150 --redis    # a shared redis-server (--cache-url)
 
 With --redis the corpus is indexed by one engine and re-indexed by a second one (another pod), so every
-hit comes from Redis. Figures: docs/performance.md ("The output cache on a re-index").
+hit comes from Redis. --json PATH writes the figures, the machine and the load to a result file.
+Figures: docs/performance.md ("The output cache on a re-index").
 """
 
 from __future__ import annotations

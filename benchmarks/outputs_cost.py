@@ -13,10 +13,10 @@ round embedding the same texts in requests of a few inputs, and the median texts
 The client runs on the same machine, so a mode's JSON work (a ColBERT answer is one 1,024-float vector per
 token) counts, as it does for a user. Besides texts/s, each round records the CPU seconds of the server's
 process tree (HTTP process and workers) and of the client per text: on a shared machine the wall clock
-swings with the neighbours' load, CPU time much less; ratios are medians of the per-round ratios. Example (about 5 minutes on 2 cores):
+swings with the neighbours' load, CPU time much less; ratios are medians of the per-round ratios. Example (about 3 minutes on 2 cores):
 
     python benchmarks/outputs_cost.py --corpus ../shared/bench/corpus/passages.jsonl \
-        --texts 16 --max-length 128 --rounds 5
+        --texts 16 --max-length 128 --rounds 5 --json benchmarks/results/outputs_cost.json
 """
 
 from __future__ import annotations
