@@ -2,6 +2,10 @@
 and on, on batches of passages and queries, in one compute thread as a CPU replica runs.
 
     python -m benchmarks.invariance_cost --rounds 6 --json benchmarks/results/invariance_cost.json
+    python -m benchmarks.invariance_cost --trials 24 --json benchmarks/results/invariance_model.json
+
+With --trials N it checks the model instead, with the tiles off: N times, a query's dense vector alone
+against the same query at a random position among 64 passages, byte for byte, in both dtypes.
 
 Each round runs every (batch, dtype, tiles) forward once, in turn, so that all of them see the same machine;
 the figure is the median tokens/s over the rounds. The forward is the worker's (FlatBatch.from_lengths,
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 from pathlib import Path
@@ -36,10 +41,44 @@ def texts(name: str, n: int) -> list[str]:
         return [json.loads(line)["text"] for _, line in zip(range(n), f)]
 
 
+def run(model: EmbeddingModel, seqs: list[list[int]]) -> tuple[float, list]:
+    """The worker's forward over one batch: its seconds and its outputs."""
+    flat = torch.tensor([i for s in seqs for i in s], dtype=torch.int32)
+    batch = FlatBatch.from_lengths(flat, [len(s) for s in seqs], [0] * len(seqs))
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model(batch, [OutputRequest()] * len(seqs))
+    return time.perf_counter() - t0, out
+
+
+def forward(model: EmbeddingModel, seqs: list[list[int]]) -> float:
+    return run(model, seqs)[0]
+
+
+def model_check(models: dict[str, EmbeddingModel], tok: Tokenizer, trials: int) -> dict:
+    """Tiles off: a query alone against the same query at a random position among 64 passages."""
+    invariance.set_enabled(False)
+    rng = random.Random(0)
+    queries = [e.ids for e in tok.encode_batch(texts("queries.jsonl", trials))]
+    passages = [e.ids for e in tok.encode_batch(texts("passages.jsonl", 64))]
+    differ = {}
+    for dt, model in models.items():
+        bad = 0
+        for q in queries:
+            pos = rng.randrange(65)
+            alone = run(model, [q])[1][0].dense.tobytes()
+            among = run(model, [*passages[:pos], q, *passages[pos:]])[1][pos].dense.tobytes()
+            bad += alone != among
+        differ[dt] = bad
+        print(f"{dt}: {bad} of {trials} trials differ (tiles off)")
+    return {"trials": trials, "others": 64, "batch_invariant": False, "trials_differ": differ}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--trials", type=int, default=0, help="check the model's invariance instead (see above)")
     ap.add_argument("--json", help="write the figures to this result file")
     args = ap.parse_args()
     record = ResultFile()
@@ -60,13 +99,11 @@ def main() -> None:
         for dt in ("bfloat16", "float32")
     }
 
-    def forward(model: EmbeddingModel, seqs: list[list[int]]) -> float:
-        flat = torch.tensor([i for s in seqs for i in s], dtype=torch.int32)
-        batch = FlatBatch.from_lengths(flat, [len(s) for s in seqs], [0] * len(seqs))
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            model(batch, [OutputRequest()] * len(seqs))
-        return time.perf_counter() - t0
+    if args.trials:
+        found = model_check(models, tok, args.trials)
+        if args.json:
+            record.write(args.json, {"model": "all-MiniLM-L6-v2", "threads": args.threads, **found})
+        return
 
     cases = [(b, dt, on) for b in batches for dt in models for on in (False, True)]
     for b, dt, on in cases:  # warm every path once
