@@ -5,7 +5,8 @@ changed. Prints the re-index's hit ratio and its time against the same re-index 
     python -m benchmarks.cache_reindex --passages 150 --redis    # a shared redis-server (--cache-url)
 
 With --redis the corpus is indexed by one engine and re-indexed by a second one (another pod), so every
-hit comes from Redis. Figures: docs/performance.md ("The output cache on a re-index").
+hit comes from Redis. --json PATH writes the figures, the machine and the load to a result file.
+Figures: docs/performance.md ("The output cache on a re-index").
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from benchmarks.result_file import ResultFile
 from embed_service import Embedder, metrics
 
 CORPUS = Path(__file__).resolve().parent.parent / "tests" / "data" / "passages.jsonl"
@@ -71,7 +73,9 @@ def main() -> None:
     parser.add_argument("--passages", type=int, default=150)
     parser.add_argument("--changed", type=float, default=0.3)
     parser.add_argument("--redis", action="store_true")
+    parser.add_argument("--json", help="write the figures to this result file")
     args = parser.parse_args()
+    record = ResultFile()
     first, second = corpus(args.passages, args.changed)
     common = {"data_parallel_size": 1, "batch_invariant": True}
     with Embedder(**common) as plain:
@@ -99,6 +103,19 @@ def main() -> None:
         f"{kind}: {args.passages} passages, {args.changed:.0%} changed: hit ratio {hits / (hits + misses):.1%}, "
         f"re-index {base:.2f} s without a cache, {cached:.2f} s with it ({base / cached:.2f}x)"
     )
+    if args.json:
+        figures = {
+            "cache": "cache_url (redis-server)" if args.redis else "cache_bytes 1GiB",
+            "passages": args.passages,
+            "changed": args.changed,
+            "hits": hits,
+            "misses": misses,
+            "hit_ratio": round(hits / (hits + misses), 4),
+            "reindex_s_without_cache": round(base, 2),
+            "reindex_s_with_cache": round(cached, 2),
+            "speed_up": round(base / cached, 2),
+        }
+        record.write(args.json, figures)
 
 
 if __name__ == "__main__":

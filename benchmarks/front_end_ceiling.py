@@ -38,6 +38,7 @@ from tokenizers import Tokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import psutil  # noqa: E402
 from http_cpu import Load, Served, load, served  # noqa: E402
+from result_file import ResultFile  # noqa: E402
 
 # (name, content tokens per input, inputs per request, requests in flight)
 SHAPES = [
@@ -101,6 +102,7 @@ def main() -> None:
     )
     parser.add_argument("--baseline-src", help="a second source tree, served the same way (rows: before)")
     args = parser.parse_args()
+    record = ResultFile()
     sys.path.insert(0, str(Path(args.src).resolve()))
     from embed_service.server import default_model_path
 
@@ -169,7 +171,8 @@ def main() -> None:
             + " ".join(f"{c:.2f}" for c in per_process)
         )
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps(rows, indent=1) + "\n")
+        figures = {"rounds": args.rounds, "duration_s": args.duration, "null_model": True, "client": "wrk"}
+        record.write(args.json_path, {**figures, "rows": rows})
 
 
 if __name__ == "__main__":

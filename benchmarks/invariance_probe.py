@@ -8,10 +8,12 @@ other sequences beside it), and the bytes are compared. Run: ``python -m benchma
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.result_file import ResultFile
 from embed_service.layers.activation import linear_act
 from embed_service.layers.linear import dense
 from embed_service.ops import invariance
@@ -22,6 +24,16 @@ from embed_service.ops.pooling import pool
 ROWS = [*range(1, 70), 100, 127, 255, 256, 1000, 1001, 4097]
 SHAPES = [(384, 1), (384, 384), (384, 1152), (384, 1536), (1536, 384), (1024, 1024)]
 NEIGHBOURS = ([3], [200, 10], [64] * 30, [500, 7, 400])
+FOUND: dict[str, dict[str, Any]] = {}  # per dtype, per op: the row counts that differ, or layouts differing
+
+
+def note(dt: torch.dtype, op: str, found: Any) -> None:
+    if isinstance(found, tuple):
+        print(f"  {op}: {found[0]} of {found[1]} layouts differ")
+        found = {"layouts_differ": found[0], "layouts": found[1]}
+    else:
+        print(f"  {op}: differs at M = {found}")
+    FOUND.setdefault(str(dt).removeprefix("torch."), {})[op] = found
 
 
 def _differs(fn, x: torch.Tensor) -> list[int]:
@@ -34,21 +46,19 @@ def matmuls(dt: torch.dtype) -> None:
     for k, n in SHAPES:
         w, b = torch.randn(n, k).to(dt) * 0.05, torch.randn(n).to(dt)
         x = torch.randn(max(ROWS), k).to(dt)
-        print(f"  dense {k}x{n}: differs at M = {_differs(lambda r, w=w, b=b: dense(r, w, b), x)}")
-        print(
-            f"  dense+gelu {k}x{n}: differs at M = {_differs(lambda r, w=w, b=b: linear_act(r, w, b, 'gelu'), x)}"
-        )
+        note(dt, f"dense {k}x{n}", _differs(lambda r, w=w, b=b: dense(r, w, b), x))
+        note(dt, f"dense+gelu {k}x{n}", _differs(lambda r, w=w, b=b: linear_act(r, w, b, "gelu"), x))
 
 
 def norms(dt: torch.dtype) -> None:
     x, g, b = torch.randn(max(ROWS), 384).to(dt), torch.randn(384).to(dt), torch.randn(384).to(dt)
-    print(f"  layer_norm: differs at M = {_differs(lambda r: F.layer_norm(r, (384,), g, b, 1e-12), x)}")
+    note(dt, "layer_norm", _differs(lambda r: F.layer_norm(r, (384,), g, b, 1e-12), x))
 
     def rms(r: torch.Tensor) -> torch.Tensor:
         rf = r.float()
         return rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + 1e-6)
 
-    print(f"  rms_norm: differs at M = {_differs(rms, x)}")
+    note(dt, "rms_norm", _differs(rms, x))
 
 
 def attention(dt: torch.dtype, fn, name: str) -> None:
@@ -66,7 +76,7 @@ def attention(dt: torch.dtype, fn, name: str) -> None:
                 out = fn(qq, kk, vv, FlatBatch.from_lengths(torch.zeros(sum(lens)), lens), False, 0.17)
                 bad += not torch.equal(out[s : s + length], ref)
                 total += 1
-        print(f"  attention {name} L={length}: {bad} of {total} layouts differ")
+        note(dt, f"attention {name} L={length}", (bad, total))
 
 
 def pooling(dt: torch.dtype) -> None:
@@ -83,14 +93,16 @@ def pooling(dt: torch.dtype) -> None:
                 hh[cu[pos] : cu[pos] + 77] = h
                 bad += not torch.equal(pool(hh, cu, mode, None, True)[pos : pos + 1], ref)
                 total += 1
-        print(f"  pool {mode}: {bad} of {total} layouts differ")
+        note(dt, f"pool {mode}", (bad, total))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--batch-invariant", action="store_true", help="with the fixed row tiles on")
+    parser.add_argument("--json", help="write the findings to this result file")
     args = parser.parse_args()
+    record = ResultFile()
     torch.set_num_threads(args.threads)
     invariance.set_enabled(args.batch_invariant)
     torch.manual_seed(0)
@@ -101,6 +113,17 @@ def main() -> None:
         attention(dt, varlen_attention, "default")
         attention(dt, varlen_attention_torch, "torch-sdpa")
         pooling(dt)
+    if args.json:
+        record.write(
+            args.json,
+            {
+                "threads": args.threads,
+                "batch_invariant": args.batch_invariant,
+                "torch": torch.__version__,
+                "rows_tried": ROWS,
+                "found": FOUND,
+            },
+        )
 
 
 if __name__ == "__main__":

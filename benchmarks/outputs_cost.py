@@ -13,10 +13,10 @@ round embedding the same texts in requests of a few inputs, and the median texts
 The client runs on the same machine, so a mode's JSON work (a ColBERT answer is one 1,024-float vector per
 token) counts, as it does for a user. Besides texts/s, each round records the CPU seconds of the server's
 process tree (HTTP process and workers) and of the client per text: on a shared machine the wall clock
-swings with the neighbours' load, CPU time much less; ratios are medians of the per-round ratios. Example (about 5 minutes on 2 cores):
+swings with the neighbours' load, CPU time much less; ratios are medians of the per-round ratios. Example (about 3 minutes on 2 cores):
 
     python benchmarks/outputs_cost.py --corpus ../shared/bench/corpus/passages.jsonl \
-        --texts 16 --max-length 128 --rounds 5
+        --texts 16 --max-length 128 --rounds 5 --json benchmarks/results/outputs_cost.json
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ from pathlib import Path
 
 import httpx
 import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from result_file import ResultFile  # noqa: E402
 
 MODES = {
     "dense": {},
@@ -160,7 +163,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="rounds per mode, interleaved")
     ap.add_argument("--port", type=int, default=18231)
     ap.add_argument("--serve-arg", action="append", default=[], help="extra `serve` argument (repeatable)")
+    ap.add_argument("--json", help="write the figures to this result file")
     args = ap.parse_args()
+    record = ResultFile()
     texts = read_texts(args.corpus, args.texts)
     with tempfile.TemporaryDirectory() as tmp, tempfile.NamedTemporaryFile("w", suffix=".log") as log:
         folder = Path(tmp) / "bge-m3-shape"
@@ -226,12 +231,38 @@ def main() -> None:
         "|---|---|---|---|---|---|"
     )
     dense = runs["dense"]
+    rows = []
     for mode in MODES:
         rs = runs[mode]
         rate = statistics.median(a[0] / d[0] for a, d in zip(rs, dense))
         cpu = statistics.median(a[1] / d[1] for a, d in zip(rs, dense))
         med = [statistics.median(x[i] for x in rs) for i in range(3)]
         print(f"| {mode} | {med[0]:.2f} | {rate:.2f}x | {med[1]:.0f} | {cpu:.3f}x | {med[2]:.1f} |")
+        rows.append(
+            {
+                "outputs": mode,
+                "texts_per_s": round(med[0], 2),
+                "texts_per_s_vs_dense": round(rate, 3),
+                "server_cpu_ms_per_text": round(med[1], 1),
+                "server_cpu_vs_dense": round(cpu, 3),
+                "client_cpu_ms_per_text": round(med[2], 2),
+                "rounds": [list(r) for r in rs],
+            }
+        )
+    if args.json:
+        setup = {
+            "machine": cpu_model(),
+            "dtype": info["dtype"],
+            "replicas": info["data_parallel_size"],
+            "threads": info["num_threads"],
+            "texts": args.texts,
+            "max_length": args.max_length,
+            "mean_tokens": round(tokens, 1),
+            "per_request": args.per_request,
+            "concurrency": args.concurrency,
+            "rounds": args.rounds,
+        }
+        record.write(args.json, {**setup, "rows": rows})
 
 
 if __name__ == "__main__":
