@@ -180,6 +180,21 @@ def test_close_stops_every_worker():
     e.close()  # twice: a no-op
 
 
+def test_the_bulk_replicas_workers_run_at_a_lower_priority_than_the_reserved_one():
+    """With two replicas on a CPU the last one takes small batches for short requests (batcher.py); its
+    worker keeps this process's niceness and the other's is BULK_REPLICA_NICE higher, so on contended cores
+    the short requests' replica runs first. One replica: no change."""
+    from embed_service.engine.engine import BULK_REPLICA_NICE
+
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    with Embedder(dtype="float32", data_parallel_size=2, num_threads=1) as e:
+        replicas = sorted(e.info["replicas"], key=lambda r: r["index"])
+        nice = [[os.getpriority(os.PRIO_PROCESS, pid) for pid in r["pids"]] for r in replicas]
+    assert nice == [[min(19, own + BULK_REPLICA_NICE)], [own]]
+    with Embedder(dtype="float32", data_parallel_size=1, num_threads=1) as e:
+        assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in e.info["replicas"][0]["pids"]] == [own]
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -65,6 +65,11 @@ def model_request(settings: ModelSettings, spec: ModelSpec, name: str, device: s
 
 
 DEFAULT_BATCH_TOKENS = 4096
+# The niceness of a CPU model's bulk replicas (all but the last, which the batcher keeps small for short
+# requests): while the cores are contended the reserved replica and the HTTP process go first, so a short
+# request waits less behind bulk work on the same cores; idle cores still go to the bulk replicas.
+# docs/performance.md has the measured effect ("Interactive traffic under bulk load").
+BULK_REPLICA_NICE = 4
 
 
 class Engine(EmbedServing, WindowedServing, ScoreServing, ImageServing):
@@ -222,9 +227,21 @@ class Engine(EmbedServing, WindowedServing, ScoreServing, ImageServing):
 
     def _make_group(self, index: int, on_death: Any) -> WorkerGroup:
         config = dataclasses.replace(self.worker_config, devices=self.plan.devices[index])  # its own devices
+        if self._reserves_last_replica() and index < self.replicas - 1:
+            config = dataclasses.replace(config, nice=BULK_REPLICA_NICE)
         if config.world_size > 1:  # every group its own rendezvous (an old one's port may linger)
             config = dataclasses.replace(config, dist_port=free_port())
         return WorkerGroup(config, on_death=on_death)
+
+    def _reserves_last_replica(self) -> bool:
+        """Whether the batcher keeps the last replica's batches small for short requests (batcher.py): on a
+        CPU its workers then run at normal priority and the others' at BULK_REPLICA_NICE."""
+        s = self.settings
+        return (
+            self.replicas > 1
+            and self.worker_config.device == "cpu"
+            and bool(s.priority_max_tokens and s.priority_batch_tokens)
+        )
 
     def _replicas_changed(self, up: int, reason: str | None) -> None:
         """A replica went down or came back: the model can serve while at least one is up."""

@@ -12,6 +12,7 @@ beating while its compute threads run (torch releases the GIL inside its ops).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -41,6 +42,7 @@ class WorkerConfig:
     fidelity_warn_only: bool = False  # --fidelity-warn-only
     devices: tuple[str, ...] = ()  # one per rank, from the resource plan (plan.py); empty: cuda:rank or cpu
     cuda_graphs: bool = False  # --cuda-graphs (workers/graphs.py)
+    nice: int = 0  # added to the process's niceness before anything runs (a bulk replica's: engine.py)
 
 
 # An error after which the device cannot be trusted: a CUDA device-side assert or an illegal memory access
@@ -112,6 +114,9 @@ def worker_main(rank: int, cfg: WorkerConfig, conn: Connection, heartbeat: Any =
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     die_with_parent()
+    if cfg.nice:
+        with contextlib.suppress(OSError):  # raising one's own niceness needs no privilege; a no-op else
+            os.nice(cfg.nice)  # the threads started from here on inherit it
     if heartbeat is not None:
         beat(heartbeat)
     try:
