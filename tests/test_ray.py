@@ -63,12 +63,7 @@ def test_map_batches_over_read_parquet_with_the_documented_sizing(cluster, tmp_p
         )
         return ds.take_all()
 
-    with concurrent.futures.ThreadPoolExecutor(1) as thread:
-        try:
-            rows = thread.submit(pipeline).result(timeout=PIPELINE_TIMEOUT_S)
-        except concurrent.futures.TimeoutError:
-            ray.shutdown()  # unblocks the pipeline's thread
-            pytest.fail(f"no result in {PIPELINE_TIMEOUT_S} s: the read tasks found no free CPU")
+    rows = run_pipeline(pipeline)
     rows.sort(key=lambda r: r["id"])
     assert [r["id"] for r in rows] == list(range(len(TEXTS)))
     vectors = np.stack([r["embedding"] for r in rows])
@@ -76,6 +71,17 @@ def test_map_batches_over_read_parquet_with_the_documented_sizing(cluster, tmp_p
         expected = embedder.encode(TEXTS, dimensions=128)
     assert vectors.dtype == np.float32 and vectors.shape == expected.shape
     assert np.abs(vectors - expected).max() <= 1e-5
+
+
+def run_pipeline(pipeline) -> list[dict]:
+    """`pipeline()`'s rows, or a failure past PIPELINE_TIMEOUT_S (a pipeline whose read tasks found no free
+    CPU waits for ever; shutting Ray down unblocks its thread)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:
+        try:
+            return thread.submit(pipeline).result(timeout=PIPELINE_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            ray.shutdown()
+            pytest.fail(f"no result in {PIPELINE_TIMEOUT_S} s: the read tasks found no free CPU")
 
 
 def test_a_pool_that_takes_every_cpu_is_refused(cluster):
@@ -119,12 +125,7 @@ def test_read_images_into_a_clip_equals_transformers(cluster, clip_path, tmp_pat
         )
         return ds.take_all()
 
-    with concurrent.futures.ThreadPoolExecutor(1) as thread:
-        try:
-            rows = thread.submit(pipeline).result(timeout=PIPELINE_TIMEOUT_S)
-        except concurrent.futures.TimeoutError:
-            ray.shutdown()
-            pytest.fail(f"no result in {PIPELINE_TIMEOUT_S} s")
+    rows = run_pipeline(pipeline)
     rows.sort(key=lambda r: r["path"])
     assert len(rows) == 4 and all(r["image"].dtype == np.uint8 and r["image"].ndim == 3 for r in rows)
     pictures = [Image.fromarray(r["image"]) for r in rows]
