@@ -17,6 +17,7 @@ from typing import Any
 
 from PIL import Image
 
+from embed_service.config import Settings
 from embed_service.images.inputs import ImageInput
 
 
@@ -52,9 +53,8 @@ def _header_pixels(source: Any) -> int:
 class ImageRoom:
     """The image bytes and pixels of the piece being filled, against the request budgets of `settings`."""
 
-    def __init__(self, settings: Any):
-        self.max_bytes = int(getattr(settings, "max_request_image_bytes", 0) or 0)
-        self.max_pixels = int(getattr(settings, "max_request_image_pixels", 0) or 0)
+    def __init__(self, settings: Settings):
+        self.max_bytes, self.max_pixels = settings.max_request_image_bytes, settings.max_request_image_pixels
         self.bytes = self.pixels = 0
         self.last = (0, 0)
 
@@ -63,8 +63,7 @@ class ImageRoom:
         self.last = image_cost(item)
         self.bytes += self.last[0]
         self.pixels += self.last[1]
-        over_bytes = self.max_bytes and self.bytes > self.max_bytes
-        return not (over_bytes or (self.max_pixels and self.pixels > self.max_pixels))
+        return self.bytes <= self.max_bytes and self.pixels <= self.max_pixels
 
     def restart(self) -> None:
         """A new piece, from the item `take` counted last."""
