@@ -4,7 +4,8 @@ Each tree's server runs at default settings (`python -m embed_service serve`, th
 every round measures, for each tree in turn, single short queries one at a time for `--duration` seconds
 on an idle server, then the same while bulk requests (32 passages a request, 4 in flight) saturate it, as
 `benchmarks/compare.py` does in `make bench`. Reported: medians over rounds of idle and loaded p50/p99,
-loaded p99 over idle p99 (the target: at most 5x), and the bulk texts/s meanwhile. Example, this tree
+loaded p99 over idle p99 (the target: at most 5x), the bulk texts/s meanwhile, and the short queries/s
+answered meanwhile (one at a time: the sooner each is answered, the more of them there are). Example, this tree
 against an older commit checked out with `git worktree add /tmp/old <rev>`:
 
     python benchmarks/latency_under_bulk.py --tree before=/tmp/old/src --tree after=src \\
@@ -81,6 +82,8 @@ def main() -> int:
             "loaded_p99_ms": round(loaded99, 2),
             "loaded_over_idle_p99": round(loaded99 / idle99, 2),
             "bulk_texts_per_s": round(statistics.median(x["texts_per_s"] for x in r["bulk"]), 1),
+            # the probe is closed-loop: a faster answer is a sooner next query, so this moves with latency
+            "loaded_queries_per_s": round(statistics.median(x["requests_per_s"] for x in r["loaded"]), 1),
         }
         print(name, summary[name])
     if args.json:

@@ -180,19 +180,23 @@ def test_close_stops_every_worker():
     e.close()  # twice: a no-op
 
 
-def test_the_bulk_replicas_workers_run_at_a_lower_priority_than_the_reserved_one():
-    """With two replicas on a CPU the last one takes small batches for short requests (batcher.py); its
-    worker keeps this process's niceness and the other's is BULK_REPLICA_NICE higher, so on contended cores
-    the short requests' replica runs first. One replica: no change."""
-    from embed_service.engine.engine import BULK_REPLICA_NICE
+def test_every_cpu_replica_runs_bulk_work_nicer_than_its_priority_lane():
+    """On a CPU each replica's worker answers short requests on a lane thread of its own (worker.py): the
+    worker's main thread, which runs the bulk batches, is BULK_THREAD_NICE levels nicer than this process,
+    so on contended cores the short requests' work runs first; the lane keeps this process's niceness.
+    Without the priority lane (--priority-max-tokens 0) nothing is niced."""
+    from embed_service.engine.engine import BULK_THREAD_NICE
+    from tests.workers.test_priority_lane import threads
 
     own = os.getpriority(os.PRIO_PROCESS, 0)
     with Embedder(dtype="float32", data_parallel_size=2, num_threads=1) as e:
-        replicas = sorted(e.info["replicas"], key=lambda r: r["index"])
-        nice = [[os.getpriority(os.PRIO_PROCESS, pid) for pid in r["pids"]] for r in replicas]
-    assert nice == [[min(19, own + BULK_REPLICA_NICE)], [own]]
-    with Embedder(dtype="float32", data_parallel_size=1, num_threads=1) as e:
-        assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in e.info["replicas"][0]["pids"]] == [own]
+        pids = [pid for r in sorted(e.info["replicas"], key=lambda r: r["index"]) for pid in r["pids"]]
+        nice = [os.getpriority(os.PRIO_PROCESS, pid) for pid in pids]
+        lanes = [threads(pid)["embed-lane"] for pid in pids]
+    assert nice == [min(19, own + BULK_THREAD_NICE)] * 2 and lanes == [[own], [own]]
+    with Embedder(dtype="float32", data_parallel_size=1, num_threads=1, priority_max_tokens=0) as e:
+        pid = e.info["replicas"][0]["pids"][0]
+        assert os.getpriority(os.PRIO_PROCESS, pid) == own and "embed-lane" not in threads(pid)
 
 
 def alive(pid: int) -> bool:

@@ -275,13 +275,16 @@ class ModelSettings(BaseSettings):
 
     priority_max_tokens: int = 256
     """Requests of at most this many tokens (all inputs together) take the priority lane: every batch takes
-    them first, ahead of bulk work. 0: one lane, first come first served."""
+    them first, ahead of bulk work. On a CPU at tensor-parallel size 1 each replica's worker also answers the
+    lane on a second thread while its main thread computes bulk work, BULK_THREAD_NICE (10) levels nicer.
+    0: one lane, first come first served, no second thread."""
 
     priority_batch_tokens: int = 256
-    """With two or more replicas, while interactive traffic is about (a priority request within the last
-    2 s), the last replica takes bulk work only in batches of at most this many tokens, so a short request
-    never waits behind more than that much work; without interactive traffic, batches of up to 8 times this
-    many. (A batch carrying priority sequences takes no bulk work, whatever this is.)"""
+    """Without the CPU's lane threads (on a GPU, or at tensor-parallel size > 1) and with two or more
+    replicas: while interactive traffic is about (a priority request within the last 2 s), the last replica
+    takes bulk work only in batches of at most this many tokens, so a short request never waits behind more
+    than that much work; without interactive traffic, batches of up to 8 times this many. (A batch carrying
+    priority sequences takes no bulk work, whatever this is.)"""
 
     data_parallel_size: int | None = None
     """Model replicas, each its own worker process(es) forming its own batches, on its own GPUs. Default: 1,

@@ -63,6 +63,17 @@ def make(loop, lengths):
     return [Sequence([1] * n, loop.create_future(), state) for n in lengths]
 
 
+async def start_bulk(batcher: Batcher, gates: list[Gated], lengths: list[int]) -> list[Sequence]:
+    """Start `batcher`, submit bulk sequences of these lengths, and return once every gate's backend is
+    inside its first batch."""
+    batcher.start()
+    bulk = make(asyncio.get_running_loop(), lengths)
+    batcher.submit(bulk)
+    for gate in gates:
+        await until(gate.started)
+    return bulk
+
+
 def test_idle_replicas_share_the_waiting_work():
     a, b = Backend(0.05), Backend(0.05)
 
@@ -107,12 +118,8 @@ def test_a_short_request_under_a_deep_bulk_queue_runs_in_a_batch_of_its_own():
 
     async def main():
         batcher = Batcher([a, b], 16384, 256, "m", priority_batch_tokens=256, bulk_aging_s=0.001)
-        batcher.start()
+        bulk = await start_bulk(batcher, [a, b], [200] * 60)
         loop = asyncio.get_running_loop()
-        bulk = make(loop, [200] * 60)
-        batcher.submit(bulk)
-        await until(a.started)
-        await until(b.started)
         while time.perf_counter() - batcher.queue[0].enqueued_at <= 0.001:  # past the aging bound
             await asyncio.sleep(0)
         short = make(loop, [5])
@@ -363,12 +370,18 @@ request_st = st.tuples(
     plans=st.lists(st.lists(st.sampled_from(ACTIONS), max_size=10), min_size=1, max_size=3),
     reliable_first=st.booleans(),
     max_tokens=st.sampled_from([40, 64, 200]),
+    lane_plans=st.one_of(st.none(), st.lists(st.sampled_from(ACTIONS), max_size=10)),
 )
 def test_every_admitted_input_is_answered_once_with_its_own_result(
-    requests, plans, reliable_first, max_tokens
+    requests, plans, reliable_first, max_tokens, lane_plans
 ):
+    """`lane_plans`: with priority lanes (backends len(plans)+i, replica i's), each following this plan."""
     if reliable_first and len(plans) > 1:
         plans[0] = []  # backend 0 never fails
+    replicas = len(plans)
+    lanes = None if lane_plans is None else [list(lane_plans) for _ in plans]
+    if reliable_first and lanes and replicas > 1:
+        lanes[0] = []  # replica 0 never fails
     log: list = []
 
     async def main():
@@ -383,6 +396,9 @@ def test_every_admitted_input_is_answered_once_with_its_own_result(
             8,
             "m",
             priority_batch_tokens=32,
+            lanes=None
+            if lanes is None
+            else [Fake(replicas + i, p, log, restart) for i, p in enumerate(lanes)],
         )
         batcher.start()
         number = iter(range(1, 10**6))
@@ -422,8 +438,8 @@ def test_every_admitted_input_is_answered_once_with_its_own_result(
             n, calls = s.ids[0], calls_of.get(s.ids[0], [])
             assert len(calls) <= 2, (n, calls)  # one try and at most one retry
             assert sum(action in ("ok", "slow") for _, action in calls) <= 1, (n, calls)  # computed once
-            if len(calls) == 2:
-                assert calls[0][0] != calls[1][0], calls  # the retry ran on another backend
+            if len(calls) == 2:  # the retry ran on another replica
+                assert calls[0][0] % replicas != calls[1][0] % replicas, calls
             if s.future.cancelled():
                 assert state.cancelled
                 continue
@@ -434,3 +450,83 @@ def test_every_admitted_input_is_answered_once_with_its_own_result(
                 assert isinstance(exc, (RuntimeError, ShortResultError, BackendLost)), exc
                 if reliable_first and len(plans) == 2 and not isinstance(exc, BackendLost):
                     raise AssertionError(f"input {n} failed although backend 0 never does: {calls}")
+
+
+# --- priority lanes: each replica's second thread, for short requests beside a bulk batch ----------------
+
+
+def test_a_short_request_is_answered_on_the_lane_while_every_replica_computes_bulk_work():
+    """Both replicas are inside a bulk batch that does not end until the test says so: the short request
+    is answered meanwhile, by a lane, in a batch of its own; the lanes never take bulk work."""
+    a, b = Gated(), Gated()
+    lane_a, lane_b = Backend(), Backend()
+
+    async def main():
+        batcher = Batcher([a, b], 4096, 256, "m", lanes=[lane_a, lane_b])
+        bulk = await start_bulk(batcher, [a, b], [200] * 60)
+        short = make(asyncio.get_running_loop(), [5, 7])
+        batcher.submit(short, priority=True)
+        got = await asyncio.gather(*(s.future for s in short))
+        assert not a.release.is_set() and not b.release.is_set()  # both bulk batches still running
+        a.release.set()
+        b.release.set()
+        await asyncio.gather(*(s.future for s in bulk))
+        await batcher.stop()
+        return got
+
+    assert run(main()) == [5, 7]
+    assert lane_a.batches + lane_b.batches == [[5, 7]]
+    assert sum(map(len, a.batches + b.batches)) == 60  # all the bulk work, none of it on a lane
+
+
+def test_a_lane_waits_while_its_replica_computes_priority_work():
+    """A lane runs beside bulk work only: while the only replica computes a short request's batch, the
+    next short request waits for it (a second forward beside it would only share the core)."""
+    a, lane = Gated(), Backend()
+
+    async def main():
+        batcher = Batcher([a], 4096, 256, "m", lanes=[lane])
+        batcher.start()
+        loop = asyncio.get_running_loop()
+        first, second = make(loop, [5]), make(loop, [6])
+        batcher.submit(first, priority=True)
+        await until(a.started)
+        batcher.submit(second, priority=True)
+        for _ in range(20):  # the loop's turns in which a lane would have taken it
+            await asyncio.sleep(0)
+        assert not second[0].future.done() and not lane.batches
+        a.release.set()
+        await asyncio.gather(first[0].future, second[0].future)
+        await batcher.stop()
+
+    run(main())
+    assert a.batches == [[5], [6]] and lane.batches == []
+
+
+def test_a_lost_lane_takes_its_replica_out_and_its_batch_is_retried_on_another():
+    """A lane that raises BackendLost (its worker died) takes its whole replica out of service, and its
+    short request is retried on another replica."""
+    a, b = Gated(), Gated()
+    other_lane = Backend()
+
+    def lost_lane(ids, lengths, requests):
+        raise BackendLost("gone")
+
+    async def main():
+        batcher = Batcher([a, b], 4096, 256, "m", lanes=[lost_lane, other_lane])
+        bulk = await start_bulk(batcher, [a, b], [200, 200])  # one sequence on each replica
+        short = make(asyncio.get_running_loop(), [5])
+        batcher.submit(short, priority=True)  # lane 0's loop is woken first and takes it
+        while batcher._up[0]:
+            await asyncio.sleep(0)
+        down = list(batcher._up)
+        b.release.set()  # replica 1 is free for the retry
+        got = await asyncio.wait_for(short[0].future, 60)
+        a.release.set()
+        await asyncio.gather(*(s.future for s in bulk))
+        await batcher.stop()
+        return down, got
+
+    down, got = run(main())
+    assert down == [False, True, False, True]  # replica 0 and its lane, together
+    assert got == 5 and [5] in b.batches and other_lane.batches == []

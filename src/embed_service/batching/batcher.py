@@ -63,6 +63,13 @@ class Batcher:
     traffic it takes up to IDLE_RESERVE_FACTOR times that: one 150-token passage per forward runs at about
     half the tokens/s of a full batch, while a few thousand tokens run nearly as fast per token and still
     bound the wait of the first short request to arrive.
+
+    `lanes` (one compute function per backend, or None): each replica's priority lane, a second thread of
+    its worker on the same weights (workers/worker.py). A lane takes priority sequences only, and only while
+    its replica computes a batch that took bulk work, so a short request never waits for a bulk forward;
+    no backend is then kept small (`priority_batch_tokens` is not needed). Backends `i` and
+    `len(compute) + i` are then replica `i`'s main thread and lane: they go down and come back together, and
+    a failed batch is retried on another replica.
     """
 
     PRIORITY_HOLD_S = 2.0
@@ -76,8 +83,14 @@ class Batcher:
         model: str,
         priority_batch_tokens: int = 0,
         bulk_aging_s: float = 0.0,
+        lanes: list[ComputeFn] | None = None,
     ):
-        self.backends = compute if isinstance(compute, list) else [compute]
+        mains = compute if isinstance(compute, list) else [compute]
+        if lanes is not None and len(lanes) != len(mains):
+            raise ValueError(f"{len(lanes)} priority lanes for {len(mains)} backends")
+        self.backends = mains + (lanes or [])
+        self._replica = [i % len(mains) for i in range(len(self.backends))]  # the replica each backend is
+        self._is_lane = [i >= len(mains) for i in range(len(self.backends))]
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_requests = max_batch_requests
         self.policy = PriorityFirst(bulk_aging_s)
@@ -87,8 +100,8 @@ class Batcher:
         self.retry: deque[tuple[Sequence, BaseException]] = deque()
         self.model = model
         self.budgets = [max_batch_tokens] * len(self.backends)
-        if priority_batch_tokens and len(self.backends) > 1:
-            self.budgets[-1] = min(priority_batch_tokens, max_batch_tokens)
+        if priority_batch_tokens and len(mains) > 1 and lanes is None:
+            self.budgets[len(mains) - 1] = min(priority_batch_tokens, max_batch_tokens)
         self._priority_seen = -float("inf")  # perf_counter() of the last priority submission
         self._wakeups = [asyncio.Event() for _ in self.backends]
         self._busy = [False] * len(self.backends)
@@ -129,8 +142,10 @@ class Batcher:
         if len(self._owned) > self._prune_at:
             self._prune()
         self._update_gauge()
-        for wakeup in self._wakeups:
-            wakeup.set()
+        for j, wakeup in enumerate(self._wakeups):
+            # A lane has work only beside its replica's bulk batch, and only priority work.
+            if not self._is_lane[j] or (priority and self._bulk_running[self._replica[j]]):
+                wakeup.set()
 
     def _update_gauge(self) -> None:
         self._queue_gauge.set(len(self.queue) + len(self.priority) + len(self.retry))
@@ -163,9 +178,14 @@ class Batcher:
             self._answer(self.retry.popleft()[0], error=exc)
         self._update_gauge()
 
+    def _backends_of(self, replica: int) -> list[int]:
+        return [j for j, r in enumerate(self._replica) if r == replica]
+
     def backend_down(self, index: int, exc: BaseException) -> None:
-        """Send backend `index` no more batches until `backend_up(index)`; `exc` answers what waits in vain."""
-        self._up[index] = False
+        """Send backend `index` (and the rest of its replica) no more batches until `backend_up(index)`;
+        `exc` answers what waits in vain."""
+        for j in self._backends_of(self._replica[index]):
+            self._up[j] = False
         self._down_error = exc
         if not any(self._up):
             self.fail_all(exc)
@@ -173,11 +193,13 @@ class Batcher:
         self._fail_stranded_retries()
 
     def backend_up(self, index: int) -> None:
-        self._up[index] = True
-        self._wakeups[index].set()
+        for j in self._backends_of(self._replica[index]):
+            self._up[j] = True
+            self._wakeups[j].set()
 
-    def _others_up(self, index: int) -> bool:
-        return any(up for j, up in enumerate(self._up) if j != index)
+    def _others_up(self, replica: int) -> bool:
+        """Whether a replica other than `replica` is up."""
+        return any(up for j, up in enumerate(self._up) if self._replica[j] != replica)
 
     def _fail_stranded_retries(self) -> None:
         """A retried sequence runs only on a backend other than the one that failed it; if none is up, it
@@ -219,16 +241,26 @@ class Batcher:
     def _share(self, budget: int) -> int:
         """With other replicas idle, take only a fair part of what waits, so that they all compute
         (4 requests of 32 short queries are one batch's worth, but two replicas finish them sooner)."""
-        free = sum(1 for up, busy in zip(self._up, self._busy) if up and not busy)
+        free = sum(
+            1
+            for j, (up, busy) in enumerate(zip(self._up, self._busy))
+            if up and not busy and not self._is_lane[j]
+        )
         if free <= 1:
             return budget
         waiting = sum(len(s.ids) for s in self.priority) + sum(len(s.ids) for s in self.queue)
         return max(1, min(budget, -(-waiting // free)))
 
     def _has_work(self, index: int) -> bool:
+        if self._is_lane[index]:
+            return bool(self.priority) and self._bulk_running[self._replica[index]]
         return bool(self.queue or self.priority or any(s.failed_on != index for s, _ in self.retry))
 
     def _take(self, index: int) -> list[Sequence]:
+        if self._is_lane[index]:  # priority work only, beside its replica's bulk batch
+            if not self._bulk_running[self._replica[index]]:
+                return []
+            return self.policy.take_lanes(self.priority, None, self.max_batch_tokens, self.max_batch_requests)
         budget = self._share(self._budget(index))
         if self.retry:
             batch = self._take_retries(index, budget)
@@ -306,7 +338,7 @@ class Batcher:
                 self._retry_or_fail(index, batch, exc)
                 continue
             finally:
-                mark_ran(batch, index, start, len(ids))  # for the requests' traces
+                mark_ran(batch, self._replica[index], start, len(ids))  # for the requests' traces
                 self._busy[index] = False
                 self._running[index] = []
                 if self._bulk_running[index]:
@@ -338,8 +370,8 @@ class Batcher:
         for s in batch:
             if s.cancelled:
                 self._answer(s)
-            elif s.failed_on is None and self._others_up(index):
-                s.failed_on = index
+            elif s.failed_on is None and self._others_up(self._replica[index]):
+                s.failed_on = self._replica[index]
                 self.retry.append((s, exc))
                 retried += 1
             else:
@@ -348,7 +380,7 @@ class Batcher:
             log.warning(
                 "model %s: a batch failed on replica %d (%s); retrying %d sequence(s) on another replica",
                 self.model,
-                index,
+                self._replica[index],
                 exc,
                 retried,
             )

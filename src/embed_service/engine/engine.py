@@ -65,10 +65,13 @@ def model_request(settings: ModelSettings, spec: ModelSpec, name: str, device: s
 
 
 DEFAULT_BATCH_TOKENS = 4096
-# The niceness of a CPU model's bulk replicas (all but the last, which the batcher keeps small for short
-# requests): while the cores are contended the reserved replica and the HTTP process go first, so a short
-# request waits less behind bulk work on the same cores; idle cores still go to the bulk replicas.
-# docs/performance.md has the measured effect ("Interactive traffic under bulk load").
+# How many levels nicer bulk work runs than the priority lane, on a CPU. With priority lanes (one rank per
+# replica: each worker's second thread answers short requests beside its bulk batch) the workers' main
+# threads run BULK_THREAD_NICE levels lower; otherwise (tensor parallelism) the bulk replicas' processes,
+# all but the last one, which the batcher keeps small for short requests, run BULK_REPLICA_NICE lower.
+# While the cores are contended the short requests' work and the HTTP process go first; idle cores still go
+# to bulk work. docs/performance.md has the measured effect ("Interactive traffic under bulk load").
+BULK_THREAD_NICE = 10
 BULK_REPLICA_NICE = 4
 
 
@@ -181,10 +184,11 @@ class Engine(EmbedServing, WindowedServing, ScoreServing, ImageServing):
         except Exception as exc:
             self._fail(str(exc))
             raise
+        lanes = self._priority_lanes()
         self.invariance = await asyncio.to_thread(
             invariance_check.check,
-            self._compute,
-            self.replicas,
+            self._compute_any,  # every replica, then (with lanes) every replica's lane
+            self.replicas * (2 if lanes else 1),
             self.spec.outputs,
             self.spec.vocab_size or 1000,
             self.spec.max_input_length,
@@ -198,9 +202,12 @@ class Engine(EmbedServing, WindowedServing, ScoreServing, ImageServing):
             self.settings.max_batch_requests,
             self.name,
             priority_batch_tokens=self.settings.priority_batch_tokens
-            if self.settings.priority_max_tokens
+            if self.settings.priority_max_tokens and not lanes
             else 0,
             bulk_aging_s=self.settings.bulk_aging_s,
+            lanes=[functools.partial(self._compute, replica=r, lane=True) for r in range(self.replicas)]
+            if lanes
+            else None,
         )
         self.replica_set.batcher = self.batcher
         self.batcher.start()
@@ -227,18 +234,31 @@ class Engine(EmbedServing, WindowedServing, ScoreServing, ImageServing):
 
     def _make_group(self, index: int, on_death: Any) -> WorkerGroup:
         config = dataclasses.replace(self.worker_config, devices=self.plan.devices[index])  # its own devices
-        if self._reserves_last_replica() and index < self.replicas - 1:
+        if self._priority_lanes():
+            config = dataclasses.replace(config, priority_lane=True, nice=BULK_THREAD_NICE)
+        elif self._reserves_last_replica() and index < self.replicas - 1:
             config = dataclasses.replace(config, nice=BULK_REPLICA_NICE)
         if config.world_size > 1:  # every group its own rendezvous (an old one's port may linger)
             config = dataclasses.replace(config, dist_port=free_port())
         return WorkerGroup(config, on_death=on_death)
 
+    def _priority_lanes(self) -> bool:
+        """Whether each replica's worker answers the priority lane on a thread of its own (worker.py): on a
+        CPU, one rank per replica, with the lane on (--priority-max-tokens)."""
+        return (
+            self.worker_config.device == "cpu"
+            and self.worker_config.world_size == 1
+            and bool(self.settings.priority_max_tokens)
+        )
+
     def _reserves_last_replica(self) -> bool:
         """Whether the batcher keeps the last replica's batches small for short requests (batcher.py): on a
-        CPU its workers then run at normal priority and the others' at BULK_REPLICA_NICE."""
+        CPU without priority lanes its workers then run at normal priority and the others' at
+        BULK_REPLICA_NICE."""
         s = self.settings
         return (
-            self.replicas > 1
+            not self._priority_lanes()
+            and self.replicas > 1
             and self.worker_config.device == "cpu"
             and bool(s.priority_max_tokens and s.priority_batch_tokens)
         )
@@ -263,9 +283,21 @@ class Engine(EmbedServing, WindowedServing, ScoreServing, ImageServing):
     # --- serving ----------------------------------------------------------------------------------
 
     def _compute(
-        self, ids: np.ndarray, lengths: np.ndarray, requests: list[OutputRequest], replica: int = 0
+        self,
+        ids: np.ndarray,
+        lengths: np.ndarray,
+        requests: list[OutputRequest],
+        replica: int = 0,
+        lane: bool = False,
     ) -> list[SequenceOutput]:
-        return self.replica_set.compute(replica, ids, lengths, requests)
+        return self.replica_set.compute(replica, ids, lengths, requests, lane)
+
+    def _compute_any(
+        self, ids: np.ndarray, lengths: np.ndarray, requests: list[OutputRequest], backend: int
+    ) -> list[SequenceOutput]:
+        """Backend `backend` as the batcher numbers them: the replicas, then their priority lanes."""
+        replica, lane = backend % self.replicas, backend >= self.replicas
+        return self.replica_set.compute(replica, ids, lengths, requests, lane)
 
     def _count_in_flight(self, n: int) -> None:
         """The admission's count, as the drain and the metrics read it."""

@@ -158,11 +158,16 @@ class Replicas:
         return [r.group.batch_timeout for r in self.replicas]
 
     def compute(
-        self, index: int, ids: np.ndarray, lengths: np.ndarray, requests: list[OutputRequest]
+        self,
+        index: int,
+        ids: np.ndarray,
+        lengths: np.ndarray,
+        requests: list[OutputRequest],
+        lane: bool = False,
     ) -> list[SequenceOutput]:
-        """Run one batch on replica `index` (blocking; on a compute thread)."""
+        """Run one batch on replica `index` (blocking; on a compute thread); `lane`: on its priority lane."""
         try:
-            return self.replicas[index].group.run(ids, lengths, requests)
+            return self.replicas[index].group.run(ids, lengths, requests, lane)
         except WorkerDiedError as exc:
             raise ReplicaLostError(f"model {self.model} is unavailable: {exc}") from None
         except BatchOutOfMemoryError as exc:

@@ -13,6 +13,7 @@ collective, a stuck GPU). Dead groups are not reused; the owner starts a new one
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import signal
@@ -76,9 +77,11 @@ class WorkerGroup:
         self.batch_timeout = batch_timeout  # seconds; None: wait as long as the workers live
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
+        self.lane: Connection | None = None  # rank 0's priority-lane pipe (cfg.priority_lane, worker.py)
         self.heartbeats: list[Any] = []  # one shared c_double per rank: its last beat (time.monotonic())
         self.rank_info: list[dict] = []
-        self._lock = threading.Lock()  # one batch in flight
+        self._lock = threading.Lock()  # one batch in flight on the main pipe
+        self._lane_lock = threading.Lock()  # and one on the priority lane's
         self._death_lock = threading.Lock()
         self._dead = threading.Event()
         self._closing = False
@@ -95,14 +98,18 @@ class WorkerGroup:
         for rank in range(self.cfg.world_size):
             parent, child = ctx.Pipe()
             heartbeat = ctx.RawValue("d", 0.0)  # 0: no beat yet (the interpreter is still starting)
+            lane = ctx.Pipe() if self.cfg.priority_lane and rank == 0 else None
             p = ctx.Process(
                 target=worker_main,
-                args=(rank, self.cfg, child, heartbeat),
+                args=(rank, self.cfg, child, heartbeat, lane[1] if lane else None),
                 name=f"embed-worker-{rank}",
                 daemon=True,
             )
             p.start()
             child.close()
+            if lane:
+                lane[1].close()
+                self.lane = lane[0]
             self.procs.append(p)
             self.conns.append(parent)
             self.heartbeats.append(heartbeat)
@@ -212,20 +219,26 @@ class WorkerGroup:
         self._kill_all()  # reap them
 
     def run(
-        self, ids: np.ndarray, lengths: np.ndarray, requests: list[OutputRequest]
+        self, ids: np.ndarray, lengths: np.ndarray, requests: list[OutputRequest], lane: bool = False
     ) -> list[SequenceOutput]:
         """(T,) int32 token ids, (B,) int32 lengths, B output requests -> B results, each with the kinds
-        its sequence asked for (checked: OutputMismatchError otherwise). Blocking.
+        its sequence asked for (checked: OutputMismatchError otherwise). Blocking. `lane`: on rank 0's
+        priority-lane thread (a group started with cfg.priority_lane), beside a batch on the main one.
 
         Raises WorkerDiedError, naming the worker that died, when the group is or becomes dead.
         """
-        with self._lock:
+        conns = self.conns
+        if lane:
+            if self.lane is None:
+                raise ValueError("this group has no priority lane")
+            conns = [self.lane]
+        with self._lane_lock if lane else self._lock:
             if self.dead_reason:
                 raise WorkerDiedError(self.dead_reason)
             try:
-                for conn in self.conns:
+                for conn in conns:
                     conn.send(("run", ids, lengths, list(requests)))
-                msg = self._answer(int(ids.size))
+                msg = self._answer(conns[0], int(ids.size))
             except (EOFError, OSError):
                 msg = ("fatal", "a worker exited during a batch")
         if msg[0] == "hung":
@@ -245,9 +258,8 @@ class WorkerGroup:
             self._die(f"worker 0 failed during a batch: {msg[1]}")
         raise WorkerDiedError(self.dead_reason)
 
-    def _answer(self, tokens: int) -> tuple:
-        """Rank 0's answer to the batch just sent, or ("hung", reason) past the batch deadline."""
-        conn = self.conns[0]
+    def _answer(self, conn: Connection, tokens: int) -> tuple:
+        """Rank 0's answer on `conn` to the batch just sent, or ("hung", reason) past the batch deadline."""
         if self.batch_timeout is None:
             return conn.recv()
         if conn.poll(self.batch_timeout):
@@ -272,21 +284,20 @@ class WorkerGroup:
         self._closing = True
         # Not while a batch is being sent (two writers would interleave on a pipe); a batch stuck past
         # the timeout is ended by the kill below.
-        if self._lock.acquire(timeout=timeout):
-            try:
-                for conn in self.conns:
-                    try:
-                        conn.send(("stop",))
-                    except Exception:
-                        pass
-            finally:
-                self._lock.release()
+        for lock, conns in ((self._lock, self.conns), (self._lane_lock, [self.lane] if self.lane else [])):
+            if lock.acquire(timeout=timeout):
+                try:
+                    for conn in conns:
+                        with contextlib.suppress(Exception):
+                            conn.send(("stop",))
+                finally:
+                    lock.release()
         for p in self.procs:
             p.join(timeout)
             if p.is_alive():
                 p.kill()
                 p.join(5)
-        for conn in self.conns:
+        for conn in [*self.conns, *([self.lane] if self.lane else [])]:
             conn.close()
 
 

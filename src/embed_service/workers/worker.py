@@ -5,6 +5,11 @@ sequence's token types too) or ("stop",). Messages
 out: ("log", text) and ("ready", info) while starting; then, from rank 0 only, ("ok", B SequenceOutputs, in
 batch order, each with the kinds its sequence asked for) or ("error", text) per batch (outputs.py). A parent that goes away closes the pipe, and the worker exits.
 
+With `priority_lane` (a CPU replica of one rank) a second pipe carries the same messages for the priority
+lane, answered by a thread of its own on the same weights, while the main thread runs bulk batches `nice`
+levels lower: a short request then never waits for a bulk forward, and the kernel gives its thread the core
+(docs/performance.md, "Interactive traffic under bulk load").
+
 A heartbeat thread writes the monotonic clock into a shared double every HEARTBEAT_INTERVAL_S: the group's
 watcher reads it to tell a stopped or frozen worker (SIGSTOP, a frozen cgroup) from a busy one, which keeps
 beating while its compute threads run (torch releases the GIL inside its ops).
@@ -42,7 +47,10 @@ class WorkerConfig:
     fidelity_warn_only: bool = False  # --fidelity-warn-only
     devices: tuple[str, ...] = ()  # one per rank, from the resource plan (plan.py); empty: cuda:rank or cpu
     cuda_graphs: bool = False  # --cuda-graphs (workers/graphs.py)
-    nice: int = 0  # added to the process's niceness before anything runs (a bulk replica's: engine.py)
+    nice: int = 0  # added to the niceness of the thread that runs bulk batches (engine.py)
+    # A second pipe and thread for the priority lane (engine.py): CPU, one rank. The main thread then
+    # runs at `nice` once the lane's thread has started at the process's own niceness.
+    priority_lane: bool = False
 
 
 # An error after which the device cannot be trusted: a CUDA device-side assert or an illegal memory access
@@ -96,6 +104,17 @@ def die_with_parent() -> None:
         os._exit(1)  # the parent went before the request took effect
 
 
+def name_thread(name: bytes) -> None:
+    """The calling thread's name in the kernel (Linux, at most 15 bytes); a no-op elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_NAME = 15
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(PR_SET_NAME, ctypes.c_char_p(name[:15]))
+
+
 def beat(heartbeat: Any) -> None:
     """Write the clock into `heartbeat` (a shared c_double) for as long as the process runs."""
 
@@ -107,20 +126,21 @@ def beat(heartbeat: Any) -> None:
     threading.Thread(target=loop, name="heartbeat", daemon=True).start()
 
 
-def worker_main(rank: int, cfg: WorkerConfig, conn: Connection, heartbeat: Any = None) -> None:
+def worker_main(
+    rank: int, cfg: WorkerConfig, conn: Connection, heartbeat: Any = None, lane: Connection | None = None
+) -> None:
     # The server decides when its workers stop ("stop", or its pipe closing). A signal sent to the whole
     # process group (Ctrl-C in a terminal, systemd stopping a unit's control group) must start the
     # server's drain, not kill the workers under the requests it is finishing.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     die_with_parent()
-    if cfg.nice:
-        with contextlib.suppress(OSError):  # raising one's own niceness needs no privilege; a no-op else
-            os.nice(cfg.nice)  # the threads started from here on inherit it
+    if cfg.nice and lane is None:
+        lower_priority(cfg.nice)  # the threads started from here on inherit it
     if heartbeat is not None:
         beat(heartbeat)
     try:
-        _serve(rank, cfg, conn)
+        _serve(rank, cfg, conn, lane)
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
         pass
     except Exception:
@@ -136,7 +156,13 @@ def worker_main(rank: int, cfg: WorkerConfig, conn: Connection, heartbeat: Any =
         os._exit(1)
 
 
-def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
+def lower_priority(levels: int) -> None:
+    """Raise the calling thread's niceness (on Linux a thread's own; raising needs no privilege)."""
+    with contextlib.suppress(OSError):
+        os.nice(levels)
+
+
+def _serve(rank: int, cfg: WorkerConfig, conn: Connection, lane: Connection | None = None) -> None:
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -296,26 +322,53 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection) -> None:
         )
     )
 
+    if lane is not None:
+        threading.Thread(
+            target=_lane_loop, args=(lane, run_splitting, cfg.num_threads), name="priority-lane", daemon=True
+        ).start()
+        lower_priority(cfg.nice)  # this (bulk) thread only
     while True:
         msg = conn.recv()
         if msg[0] == "stop":
             return
-        _, ids, lengths, requests = msg
-        try:
-            out = run_splitting(ids, lengths, requests)
-        except BatchOutOfMemory as exc:  # the batch fails; the worker (and every rank) serves on
-            if rank == 0:
-                conn.send(("oom", f"{exc}: the device has no memory for it, even one sequence at a time"))
-            continue
-        except Exception as exc:
-            if cfg.world_size > 1 or is_fatal(exc):
-                # Several ranks: they are out of step. A poisoned device: every later batch would fail.
-                # Exit; the replica is restarted.
-                raise
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
-            continue
-        if rank == 0:
-            conn.send(("ok", out))
+        answer = _answer(msg, run_splitting, cfg.world_size)
+        if rank == 0:  # it answers for every rank
+            conn.send(answer)
+
+
+def _answer(msg: tuple, run_splitting: Any, world_size: int) -> tuple:
+    """A "run" message's answer: ("ok", outputs), ("oom", text) or ("error", text); raises what is fatal."""
+    _, ids, lengths, requests = msg
+    try:
+        return ("ok", run_splitting(ids, lengths, requests))
+    except BatchOutOfMemory as exc:  # the batch fails; the worker (and every rank) serves on
+        return ("oom", f"{exc}: the device has no memory for it, even one sequence at a time")
+    except Exception as exc:
+        if world_size > 1 or is_fatal(exc):
+            # Several ranks: they are out of step. A poisoned device: every later batch would fail.
+            # Exit; the replica is restarted.
+            raise
+        return ("error", f"{type(exc).__name__}: {exc}")
+
+
+def _lane_loop(lane: Connection, run_splitting: Any, num_threads: int) -> None:
+    """The priority lane's thread: its batches on the same weights, beside the main thread's."""
+    import torch
+
+    torch.set_num_threads(num_threads)  # a thread's OpenMP settings are its own
+    name_thread(b"embed-lane")  # as `top -H` and /proc/PID/task/*/comm show it
+    try:
+        while True:
+            msg = lane.recv()
+            if msg[0] == "stop":
+                return
+            lane.send(_answer(msg, run_splitting, 1))
+    except (EOFError, OSError):  # the server went away: the main thread sees it too
+        return
+    except Exception:  # a poisoned device (not on a CPU) or a bug: the whole worker goes, as on the main one
+        with contextlib.suppress(Exception):
+            lane.send(("fatal", traceback.format_exc()))
+        os._exit(1)
 
 
 def _capture(model: Any, spec: Any, cfg: WorkerConfig, device: Any, backend: str, batch_tokens: int, say):
