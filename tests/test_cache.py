@@ -178,5 +178,7 @@ def test_info_says_the_guarantee_holds_as_the_self_check_proved(cached):
     model = info["models"][0] if "models" in info else info
     check = model["batch_invariance"]
     assert check["enabled"] and check["verified"], check
-    assert check["checked"] == 3 * model["data_parallel_size"]  # three probes on every replica
+    # three probes on every replica, and on every replica's priority lane (CPU, tensor-parallel size 1)
+    assert model["priority_lanes"] == (model["device"] == "cpu" and model["tensor_parallel_size"] == 1)
+    assert check["checked"] == 3 * model["data_parallel_size"] * (2 if model["priority_lanes"] else 1)
     assert model["cache"] == {"bytes": 20000000, "redis": False}

@@ -479,6 +479,34 @@ def test_a_short_request_is_answered_on_the_lane_while_every_replica_computes_bu
     assert sum(map(len, a.batches + b.batches)) == 60  # all the bulk work, none of it on a lane
 
 
+def test_a_lanes_batches_take_at_most_its_token_budget():
+    """The lane's batch is the second one a worker holds beside its bulk batch: short requests queued
+    while the replica computes bulk work reach the lane in batches of at most `lane_batch_tokens` tokens,
+    all of them answered."""
+    a, lane = Gated(), Gated()
+
+    async def main():
+        batcher = Batcher([a], 4096, 256, "m", lanes=[lane], lane_batch_tokens=64)
+        bulk = await start_bulk(batcher, [a], [200] * 4)
+        loop = asyncio.get_running_loop()
+        first = make(loop, [30])
+        batcher.submit(first, priority=True)
+        await until(lane.started)  # the lane is inside its first batch; the rest queue behind it
+        rest = [make(loop, [30]) for _ in range(9)]
+        for short in rest:
+            batcher.submit(short, priority=True)
+        lane.release.set()
+        got = await asyncio.gather(*(s.future for short in [first, *rest] for s in short))
+        a.release.set()
+        await asyncio.gather(*(s.future for s in bulk))
+        await batcher.stop()
+        return got
+
+    assert run(main()) == [30] * 10
+    # all ten on the lane (the replica's main thread is still inside its bulk batch), two to a batch
+    assert sorted(map(len, lane.batches)) == [1, 1, 2, 2, 2, 2], lane.batches
+
+
 def test_a_lane_waits_while_its_replica_computes_priority_work():
     """A lane runs beside bulk work only: while the only replica computes a short request's batch, the
     next short request waits for it (a second forward beside it would only share the core)."""

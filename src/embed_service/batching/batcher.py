@@ -69,7 +69,8 @@ class Batcher:
     its replica computes a batch that took bulk work, so a short request never waits for a bulk forward;
     no backend is then kept small (`priority_batch_tokens` is not needed). Backends `i` and
     `len(compute) + i` are then replica `i`'s main thread and lane: they go down and come back together, and
-    a failed batch is retried on another replica.
+    a failed batch is retried on another replica. A lane's batches take at most `lane_batch_tokens` tokens
+    (0: `max_batch_tokens`): the activations a worker holds beside its bulk batch.
     """
 
     PRIORITY_HOLD_S = 2.0
@@ -84,6 +85,7 @@ class Batcher:
         priority_batch_tokens: int = 0,
         bulk_aging_s: float = 0.0,
         lanes: list[ComputeFn] | None = None,
+        lane_batch_tokens: int = 0,
     ):
         mains = compute if isinstance(compute, list) else [compute]
         if lanes is not None and len(lanes) != len(mains):
@@ -102,6 +104,8 @@ class Batcher:
         self.budgets = [max_batch_tokens] * len(self.backends)
         if priority_batch_tokens and len(mains) > 1 and lanes is None:
             self.budgets[len(mains) - 1] = min(priority_batch_tokens, max_batch_tokens)
+        for j in range(len(mains), len(self.backends)):  # a lane's batch is the second one a worker holds
+            self.budgets[j] = min(lane_batch_tokens or max_batch_tokens, max_batch_tokens)
         self._priority_seen = -float("inf")  # perf_counter() of the last priority submission
         self._wakeups = [asyncio.Event() for _ in self.backends]
         self._busy = [False] * len(self.backends)
@@ -260,7 +264,7 @@ class Batcher:
         if self._is_lane[index]:  # priority work only, beside its replica's bulk batch
             if not self._bulk_running[self._replica[index]]:
                 return []
-            return self.policy.take_lanes(self.priority, None, self.max_batch_tokens, self.max_batch_requests)
+            return self.policy.take_lanes(self.priority, None, self.budgets[index], self.max_batch_requests)
         budget = self._share(self._budget(index))
         if self.retry:
             batch = self._take_retries(index, budget)

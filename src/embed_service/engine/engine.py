@@ -65,6 +65,9 @@ def model_request(settings: ModelSettings, spec: ModelSpec, name: str, device: s
 
 
 DEFAULT_BATCH_TOKENS = 4096
+# A priority lane's batches take at most this many priority requests' worth of tokens
+# (--priority-max-tokens each): the second batch a CPU worker holds beside its bulk one stays small.
+LANE_BATCH_REQUESTS = 8
 # How many levels nicer bulk work runs than the priority lane, on a CPU. With priority lanes (one rank per
 # replica: each worker's second thread answers short requests beside its bulk batch) the workers' main
 # threads run BULK_THREAD_NICE levels lower; otherwise (tensor parallelism) the bulk replicas' processes,
@@ -208,6 +211,7 @@ class Engine(EmbedServing, WindowedServing, ScoreServing, ImageServing):
             lanes=[functools.partial(self._compute, replica=r, lane=True) for r in range(self.replicas)]
             if lanes
             else None,
+            lane_batch_tokens=LANE_BATCH_REQUESTS * self.settings.priority_max_tokens,
         )
         self.replica_set.batcher = self.batcher
         self.batcher.start()
@@ -356,6 +360,7 @@ class Engine(EmbedServing, WindowedServing, ScoreServing, ImageServing):
             "max_concurrent_requests": s.max_concurrent_requests,
             "priority_max_tokens": s.priority_max_tokens,
             "priority_batch_tokens": s.priority_batch_tokens,
+            "priority_lanes": self._priority_lanes(),
             "data_parallel_size": self.replicas,
             "max_client_batch_size": s.max_client_batch_size,
             "max_request_bytes": s.max_request_bytes,
