@@ -302,6 +302,16 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection, lane: Connection | No
         say("WARNING: " + reason + "; serving anyway (--fidelity-warn-only)")
     elif check.min_cosine is not None:
         say(f"fidelity check: cosine {check.min_cosine:.6f} to the float32 reference (>= {check.threshold})")
+    if lane is not None:  # started, named and the bulk thread niced before "ready" says so
+        lane_started = threading.Event()
+        threading.Thread(
+            target=_lane_loop,
+            args=(lane, run_splitting, cfg.num_threads, lane_started),
+            name="priority-lane",
+            daemon=True,
+        ).start()
+        lane_started.wait()
+        lower_priority(cfg.nice)  # this (bulk) thread only: the lane was created with the process's niceness
     conn.send(
         (
             "ready",
@@ -322,11 +332,6 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection, lane: Connection | No
         )
     )
 
-    if lane is not None:
-        threading.Thread(
-            target=_lane_loop, args=(lane, run_splitting, cfg.num_threads), name="priority-lane", daemon=True
-        ).start()
-        lower_priority(cfg.nice)  # this (bulk) thread only
     while True:
         msg = conn.recv()
         if msg[0] == "stop":
@@ -351,12 +356,15 @@ def _answer(msg: tuple, run_splitting: Any, world_size: int) -> tuple:
         return ("error", f"{type(exc).__name__}: {exc}")
 
 
-def _lane_loop(lane: Connection, run_splitting: Any, num_threads: int) -> None:
+def _lane_loop(lane: Connection, run_splitting: Any, num_threads: int, started: threading.Event) -> None:
     """The priority lane's thread: its batches on the same weights, beside the main thread's."""
     import torch
 
-    torch.set_num_threads(num_threads)  # a thread's OpenMP settings are its own
-    name_thread(b"embed-lane")  # as `top -H` and /proc/PID/task/*/comm show it
+    try:
+        torch.set_num_threads(num_threads)  # a thread's OpenMP settings are its own
+        name_thread(b"embed-lane")  # as `top -H` and /proc/PID/task/*/comm show it
+    finally:
+        started.set()  # the main thread waits for this before it says "ready"
     try:
         while True:
             msg = lane.recv()
