@@ -277,7 +277,8 @@ class ModelSettings(BaseSettings):
     """Requests of at most this many tokens (all inputs together) take the priority lane: every batch takes
     them first, ahead of bulk work. On a CPU at tensor-parallel size 1 each replica's worker also answers the
     lane on a second thread while its main thread computes bulk work, BULK_THREAD_NICE (10) levels nicer,
-    in batches of at most LANE_BATCH_REQUESTS (8) times this many tokens. 0: one lane, first come first served, no second thread."""
+    in batches of at most LANE_BATCH_REQUESTS (8) times this many tokens. 0: one lane, first come first
+    served, no second thread."""
 
     priority_batch_tokens: int = 256
     """Without the CPU's lane threads (on a GPU, or at tensor-parallel size > 1) and with two or more
