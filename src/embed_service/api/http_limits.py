@@ -17,6 +17,10 @@ clients fail with nothing said. This module adds, per connection:
   ``Retry-After`` and its connection is closed; the limit is fitted to the open-file limit at start-up,
   and with several front-end processes counts the connections of all of them (``server_wide``).
 
+It also tells a request's route when its client goes away (``DISCONNECT_HOOKS``): the callbacks a route
+puts in its scope's ``extensions`` are called when the connection is lost before the answer is complete,
+so a route stops its work without a task of its own waiting on ``receive()`` (`routes.until_disconnect`).
+
 It reads and sets private state of uvicorn's protocol (the request cycle, the pipeline, the keep-alive
 timer): pyproject.toml bounds uvicorn to the releases tests/api/test_uvicorn_contract.py passes on.
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -46,6 +51,14 @@ BODY_GRACE_S = 1.0  # the app answers 408 at body_timeout; the connection is clo
 # A connection past the limit holds a file descriptor only this long for its head (then gets its 503), so a
 # flood of connections cannot pile up past the limit for the whole header timeout.
 OVER_LIMIT_HEAD_S = 1.0
+# The scope extension (a list of callables) a route adds to, to be called if its client goes away first.
+DISCONNECT_HOOKS = "embed.disconnect_hooks"
+
+
+def disconnect_hooks(scope: Any) -> list[Callable[[], None]] | None:
+    """The request's disconnect hooks; None where the server is not ours (no such extension)."""
+    hooks: list[Callable[[], None]] | None = scope.get("extensions", {}).get(DISCONNECT_HOOKS)
+    return hooks
 
 
 @dataclass(frozen=True)
@@ -179,7 +192,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        cycle = self.cycle
         super().connection_lost(exc)
+        # The request being answered (uvicorn marks only this one disconnected, as its receive() says).
+        if cycle is not None and not cycle.response_complete:
+            for hook in list(disconnect_hooks(cycle.scope) or ()):
+                hook()
 
     def _open_connections(self) -> int:
         """Open connections, this one included, counted against `max_connections`: this process's (with
@@ -216,6 +234,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._awaiting_head = False
         self._head_bytes = 0
         self._arm(self.limits.body_timeout + BODY_GRACE_S, self._body_timed_out)
+        extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
+        extensions[DISCONNECT_HOOKS] = []
         if not self._over_limit:
             super().on_headers_complete()
             return
@@ -232,6 +252,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._awaiting_head = True
         super().on_message_complete()
         cycle = self.cycle
+        # The body is all in: read on, so that a client that hangs up is seen (connection_lost, the
+        # disconnect hooks) though the app will not call receive() again. A large body paused the reading
+        # (uvicorn's high-water mark) and only receive() resumes it. Not for a pipelined request, which
+        # waits for the one in progress with the reading paused.
+        if cycle is not None and not cycle.response_complete and not self.pipeline:
+            self.flow.resume_reading()
         # Answered before its body was in (401, 413, 415): the body's bytes cancelled uvicorn's keep-alive
         # timer, and the answer's completion, which arms it, has passed.
         if (

@@ -7,6 +7,7 @@ decorators only declare them, and every error a route can give, for /openapi.jso
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
@@ -30,6 +31,7 @@ from embed_service.api.errors import (
     unavailable,
     unsupported_media_type,
 )
+from embed_service.api.http_limits import disconnect_hooks
 from embed_service.api.openapi import errors, json_body, ok, unready
 from embed_service.api.schemas import (
     EmbedAllResponse,
@@ -162,7 +164,36 @@ async def read_json(request: Request, schema: type[M]) -> M:
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Run `work`, cancelling it if the client goes away first (its sequences then leave the queue)."""
+    """Run `work`, cancelling it if the client goes away first (its sequences then leave the queue).
+
+    Served by our HTTP protocol (http_limits), the request's own task runs `work` and the protocol cancels
+    it when the connection is lost; elsewhere (another ASGI server) a second task watches `receive()`."""
+    hooks = disconnect_hooks(request.scope)
+    if hooks is None:
+        return await _watching(request, work)
+    task = asyncio.current_task()
+    assert task is not None
+    gone = False
+
+    def on_gone() -> None:
+        nonlocal gone
+        gone = True
+        task.cancel()
+
+    hooks.append(on_gone)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if gone:  # nobody is listening; 499 (client closed request) is what the metrics record
+            if sys.version_info >= (3, 11):
+                task.uncancel()  # the cancellation is answered here, not by the caller
+            raise client_closed() from None
+        raise
+    finally:
+        hooks.remove(on_gone)
+
+
+async def _watching(request: Request, work: Awaitable[T]) -> T:
     task = asyncio.ensure_future(work)
     gone = False
 
@@ -179,7 +210,7 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     try:
         return await task
     except asyncio.CancelledError:
-        if gone:  # nobody is listening; 499 (client closed request) is what the metrics record
+        if gone:
             raise client_closed() from None
         raise
     finally:
