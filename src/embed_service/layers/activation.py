@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from embed_service.layers.linear import dense, onednn_bf16, packed_weight
+from embed_service.layers.linear import dense, onednn_bf16, packed_weight, small_linear
 from embed_service.ops import fused, invariance
 
 
@@ -80,4 +80,7 @@ def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def _linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = small_linear(x, weight, bias, gelu=True)  # a short sequence on AMX
+    if out is not None:
+        return out
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight(weight), bias, "gelu", [], "none")

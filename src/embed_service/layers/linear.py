@@ -6,6 +6,7 @@ model is written once and runs at any tensor-parallel size. At size 1 every slic
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from embed_service.ops import invariance
+from embed_service.ops.cpu_kernels import AttentionKernel, attention_kernel, pack_small_linear
 from embed_service.parallel import all_reduce, tp_rank, tp_world_size
 
 
@@ -44,8 +46,66 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
 
 def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if onednn_bf16(x, weight):
+        out = small_linear(x, weight, bias, gelu=False)
+        if out is not None:
+            return out
         return torch.ops.mkldnn._linear_pointwise(x, packed_weight(weight), bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+# The most rows `small_linear` takes: one tile of the AMX unit, a short query's tokens.
+SMALL_ROWS = 16
+
+
+@functools.cache
+def _small_kernel() -> AttentionKernel | None:
+    """The project's compiled kernel where its AMX linear runs here (decided once per process)."""
+    kernel = attention_kernel()
+    return kernel if kernel is not None and kernel.small_linear_available() else None
+
+
+def small_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool
+) -> torch.Tensor | None:
+    """x @ weight.T + bias for 1 to SMALL_ROWS rows of bf16 on a CPU with AMX, through the project's kernel
+    (ops/csrc: `small_linear`), with exact GELU on the float32 sum when `gelu` (as oneDNN's post-op); None where it
+    does not apply (more rows, no AMX, batch invariance on, a shape it does not take), and the caller's
+    oneDNN path runs.
+
+    oneDNN's matmul at these rows reads its packed weights at a quarter to a half of what one thread can
+    read, and a short sequence's forward is that read (docs/performance.md, "Small batches"); the kernel
+    loads each weight tile once per call. Accumulation is float32 in both, so results agree to bf16
+    rounding, not bit for bit: with batch invariance on (ops/invariance.py) every row count keeps oneDNN.
+    """
+    if x.shape[0] > SMALL_ROWS or invariance.enabled() or not x.is_contiguous():
+        return None
+    kernel = _small_kernel()
+    if kernel is None:
+        return None
+    n, k = weight.shape
+    if n % 16 or k % 32 or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous())):
+        return None
+    packed = _small_packed(weight)
+    if packed is None:
+        return None
+    return kernel.small_linear(x, packed, bias, n, gelu)
+
+
+def _small_packed(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` in small_linear's layout, packed on first use and kept beside it like `packed_weight`'s copy
+    (within the same PACK_BUDGET_BYTES); None past the budget."""
+    global _packed_bytes
+    version = (weight._version, weight.data_ptr())
+    cached = getattr(weight, "_small_packed", None)
+    if cached is not None and cached[0] == version:
+        return cached[1]
+    if _packed_bytes + weight.nbytes > PACK_BUDGET_BYTES:
+        return None
+    packed = pack_small_linear(weight.detach())
+    _packed_bytes += packed.nbytes
+    weakref.finalize(packed, _release, packed.nbytes)
+    weight._small_packed = (version, packed)  # type: ignore[attr-defined]
+    return packed
 
 
 # The token count oneDNN is told to lay packed weights out for; the layout serves every count.

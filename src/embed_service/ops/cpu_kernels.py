@@ -292,6 +292,12 @@ def _kernel_fd(compiler: str) -> tuple[int, Path]:
         return fd, lib
 
 
+def pack_small_linear(weight: torch.Tensor) -> torch.Tensor:
+    """A (N, K) bf16 weight in `small_linear`'s layout: [N/16][K/32][16 input pairs][16 columns][2]."""
+    n, k = weight.shape
+    return weight.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
 class AttentionKernel:
     """ctypes front of ``varlen_attention`` in csrc/varlen_attention.c."""
 
@@ -305,6 +311,39 @@ class AttentionKernel:
         fn.argtypes += [i64] * 8 + [ctypes.c_float, i32, i32, i32]
         fn.restype = i32
         self.fn = fn
+        linear = getattr(self.lib, "small_linear", None)
+        available = getattr(self.lib, "small_linear_available", None)
+        if linear is not None and available is not None:
+            linear.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32]
+            linear.restype = i32
+            available.restype = i32
+        self._small_linear = linear
+        self._small_linear_available = available
+
+    def small_linear_available(self) -> bool:
+        """Whether `small_linear` runs here: built with AMX, the tiles permitted, EMBED_CPU_AMX not 0."""
+        return self._small_linear_available is not None and bool(self._small_linear_available())
+
+    def small_linear(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, gelu: bool
+    ) -> torch.Tensor | None:
+        """x (M <= 16, K) bf16 contiguous @ W.T + bias, then exact GELU with `gelu`, on the tile unit, W packed
+        by `pack_small_linear`; bf16 out. None where the kernel declines (then the caller's path runs)."""
+        rows, k = x.shape
+        out = torch.empty(rows, out_features, dtype=torch.bfloat16)
+        assert self._small_linear is not None
+        rc = self._small_linear(
+            x.data_ptr(),
+            packed.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            int(gelu),
+            rows,
+            k,
+            out_features,
+            torch.get_num_threads(),
+        )
+        return out if rc == 0 else None
 
     def supports(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         return (

@@ -412,3 +412,108 @@ int varlen_attention(const void *q, const void *k, const void *v, void *out, int
     }
     return failed ? -1 : 0;
 }
+
+/* A bfloat16 linear layer at 1 to 16 rows (one short sequence's tokens) on the tile unit:
+ * out (M, N) = x (M, K) @ W^T + bias, x row-major with row stride K, W packed as wp[N/16][K/32][16][16][2]
+ * (for 16 output columns and 32 inputs: 16 pairs of inputs, each pair's two weights side by side per column,
+ * the layout the tile unit multiplies). oneDNN's AMX matmul at these rows reads its packed weights at a
+ * quarter to a half of what one thread can read (docs/performance.md, "Small batches"); here each 1 KB
+ * weight tile is loaded once per call and multiplied into four 16 x 16 float32 accumulators at a time.
+ * Accumulation in float32 in the order of K; bias added in float32; with `gelu`, exact (erf) GELU on the
+ * float32 sum (erf to ~1e-7, Abramowitz and Stegun 7.1.26, as oneDNN's gelu_erf post-op); out bfloat16,
+ * rounded to nearest even. Returns 0, or -2 where the
+ * tile unit cannot be used (not built with AMX, not permitted, EMBED_CPU_AMX=0, or a shape it does not
+ * take: M > 16, N % 16, K % 32). */
+int small_linear_available(void) {
+#ifdef HAVE_AMX
+    return amx_permitted() && !amx_disabled();
+#else
+    return 0;
+#endif
+}
+
+static inline float gelu_erf(float v) {
+    const float z = fabsf(v) * 0.70710678118654752f;
+    const float t = 1.0f / (1.0f + 0.3275911f * z);
+    const float poly =
+        t * (0.254829592f + t * (-0.284496736f + t * (1.421413741f + t * (-1.453152027f + t * 1.061405429f))));
+    const float q = poly * expf(-z * z); /* erfc(|v| / sqrt 2), without 1 - erf's cancellation */
+    return v >= 0.0f ? v * (1.0f - 0.5f * q) : 0.5f * v * q;
+}
+
+int small_linear(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *out, int gelu, int M, int K,
+                 int N, int num_threads) {
+#ifdef HAVE_AMX
+    if (M < 1 || M > 16 || N % 16 || K % 32 || !small_linear_available()) return -2;
+    const int nb = N / 16, kb = K / 32;
+    const int64_t step = (int64_t)kb * 512; /* elements between two column blocks' weights */
+#pragma omp parallel num_threads(num_threads)
+    {
+        tile_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette_id = 1;
+        for (int t = 0; t < 5; t++) { /* 0-3: accumulators, 4: x; M rows each */
+            cfg.rows[t] = (uint8_t)M;
+            cfg.colsb[t] = 64;
+        }
+        for (int t = 5; t < 8; t++) { /* weights: 16 pairs of rows x 16 columns */
+            cfg.rows[t] = 16;
+            cfg.colsb[t] = 64;
+        }
+        _tile_loadconfig(&cfg);
+        float c[4][256] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int g = 0; g < (nb + 3) / 4; g++) {
+            const int n0 = g * 4, cnt = nb - n0 < 4 ? nb - n0 : 4;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int k = 0; k < kb; k++) {
+                const uint16_t *b = wp + ((int64_t)n0 * kb + k) * 512;
+                _tile_loadd(4, x + k * 32, K * 2);
+                _tile_loadd(5, b, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                if (cnt > 1) {
+                    _tile_loadd(6, b + step, 64);
+                    _tile_dpbf16ps(1, 4, 6);
+                }
+                if (cnt > 2) {
+                    _tile_loadd(7, b + 2 * step, 64);
+                    _tile_dpbf16ps(2, 4, 7);
+                }
+                if (cnt > 3) {
+                    _tile_loadd(5, b + 3 * step, 64);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
+            }
+            _tile_stored(0, c[0], 64);
+            if (cnt > 1) _tile_stored(1, c[1], 64);
+            if (cnt > 2) _tile_stored(2, c[2], 64);
+            if (cnt > 3) _tile_stored(3, c[3], 64);
+            for (int j = 0; j < cnt; j++) {
+                const int col = (n0 + j) * 16;
+                float b[16];
+                for (int i = 0; i < 16; i++) b[i] = bias ? bf16_to_float(bias[col + i]) : 0.0f;
+                for (int r = 0; r < M; r++) {
+                    float *acc = c[j] + r * 16;
+                    uint16_t *o = out + (int64_t)r * N + col;
+                    if (gelu) {
+#pragma omp simd
+                        for (int i = 0; i < 16; i++) acc[i] = gelu_erf(acc[i] + b[i]);
+                    } else {
+#pragma omp simd
+                        for (int i = 0; i < 16; i++) acc[i] += b[i];
+                    }
+                    for (int i = 0; i < 16; i++) o[i] = float_to_bf16(acc[i]);
+                }
+            }
+        }
+        _tile_release();
+    }
+    return 0;
+#else
+    (void)x, (void)wp, (void)bias, (void)out, (void)gelu, (void)M, (void)K, (void)N, (void)num_threads;
+    return -2;
+#endif
+}

@@ -1,0 +1,100 @@
+"""The AMX linear for short sequences (layers.linear.small_linear, csrc `small_linear`): what the layers
+return at 1 to 16 rows on a CPU with AMX tiles, against a float32 matmul of the same bf16 values, and where
+it steps aside for oneDNN (more rows, batch invariance, shapes it does not take)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from embed_service.layers import linear
+from embed_service.layers.activation import linear_act
+from embed_service.ops import invariance
+
+pytestmark = pytest.mark.skipif(
+    linear._small_kernel() is None,
+    reason="the AMX linear runs only on a CPU with AMX tiles (amx_bf16) where the project's kernel loads; "
+    "this one has none, so the layers keep oneDNN at every row count",
+)
+
+SHAPES = [(1152, 384), (384, 384), (1536, 384), (384, 1536), (16, 32)]
+
+
+def bf16_case(rows: int, n: int, k: int, bias: bool = True, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    ref = x.float() @ w.float().T + (b.float() if b is not None else 0.0)
+    return x, w, b, ref
+
+
+def assert_bf16_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    # float32 accumulation, one rounding to bf16: within 1 bf16 ulp (2^-8 relative) of the float32 result
+    tol = ref.abs() * 2.0**-8 + 1e-6
+    assert bool(((out.float() - ref).abs() <= tol).all()), float((out.float() - ref).abs().max())
+
+
+@pytest.mark.parametrize("rows", [1, 5, 14, 16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_dense_at_few_rows_takes_the_kernel_and_matches_float32(rows, shape):
+    x, w, b, ref = bf16_case(rows, *shape)
+    direct = linear.small_linear(x, w, b, gelu=False)
+    assert direct is not None  # the kernel took it
+    assert_bf16_close(direct, ref)
+    assert torch.equal(linear.dense(x, w, b), direct)  # and the layers' entry point is that path
+
+
+def test_no_bias():
+    x, w, _, ref = bf16_case(3, 384, 384, bias=False)
+    out = linear.small_linear(x, w, None, gelu=False)
+    assert out is not None
+    assert_bf16_close(out, ref)
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_gelu_matches_float32_gelu(rows):
+    x, w, b, ref = bf16_case(rows, 1536, 384, seed=1)
+    ref_gelu = F.gelu(ref)  # exact (erf)
+    out = linear_act(x, w, b, "gelu")
+    assert linear.small_linear(x, w, b, gelu=True) is not None
+    assert_bf16_close(out, ref_gelu)
+    # and it agrees with oneDNN's fused post-op to one bf16 rounding
+    onednn = torch.ops.mkldnn._linear_pointwise(x, linear.packed_weight(w), b, "gelu", [], "none")
+    assert bool(((out.float() - onednn.float()).abs() <= onednn.float().abs() * 2.0**-7 + 1e-6).all())
+
+
+def test_more_rows_keep_onednn():
+    x, w, b, ref = bf16_case(linear.SMALL_ROWS + 1, 384, 384)
+    assert linear.small_linear(x, w, b, gelu=False) is None
+    expected = torch.ops.mkldnn._linear_pointwise(x, linear.packed_weight(w), b, "none", [], "")
+    assert torch.equal(linear.dense(x, w, b), expected)
+
+
+def test_shapes_it_does_not_take_keep_onednn():
+    x, w, b, ref = bf16_case(4, 40, 384)  # 40 outputs: not a whole number of 16-column blocks
+    assert linear.small_linear(x, w, b, gelu=False) is None
+    assert_bf16_close(linear.dense(x, w, b), ref)
+    x, w, b, ref = bf16_case(4, 64, 48)  # 48 inputs: not a whole number of 32-input tiles
+    assert linear.small_linear(x, w, b, gelu=False) is None
+    assert_bf16_close(linear.dense(x, w, b), ref)
+
+
+def test_batch_invariance_keeps_onednn_at_every_row_count(monkeypatch):
+    x, w, b, _ = bf16_case(16, 384, 384)
+    monkeypatch.setattr(invariance, "_ENABLED", True)
+    assert linear.small_linear(x, w, b, gelu=False) is None
+    one = linear.dense(x[:1], w, b)
+    many = linear.dense(x, w, b)
+    assert torch.equal(one[0], many[0])  # a row's result does not depend on the rows beside it
+
+
+def test_weight_written_in_place_is_packed_again():
+    x, w, b, _ = bf16_case(2, 384, 384)
+    first = linear.small_linear(x, w, b, gelu=False)
+    w.mul_(-1)
+    again = linear.small_linear(x, w, b, gelu=False)
+    assert again is not None and first is not None
+    assert_bf16_close(again, x.float() @ w.float().T + b.float())
