@@ -92,20 +92,9 @@ def small_linear(
 
 
 def _small_packed(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` in small_linear's layout, packed on first use and kept beside it like `packed_weight`'s copy
-    (within the same PACK_BUDGET_BYTES); None past the budget."""
-    global _packed_bytes
-    version = (weight._version, weight.data_ptr())
-    cached = getattr(weight, "_small_packed", None)
-    if cached is not None and cached[0] == version:
-        return cached[1]
-    if _packed_bytes + weight.nbytes > PACK_BUDGET_BYTES:
-        return None
-    packed = pack_small_linear(weight.detach())
-    _packed_bytes += packed.nbytes
-    weakref.finalize(packed, _release, packed.nbytes)
-    weight._small_packed = (version, packed)  # type: ignore[attr-defined]
-    return packed
+    """`weight` in small_linear's layout, kept beside it like `packed_weight`'s copy; None past the budget."""
+    packed = _kept_copy(weight, "_small_packed", lambda w: pack_small_linear(w.detach()))
+    return None if packed is weight else packed
 
 
 # The token count oneDNN is told to lay packed weights out for; the layout serves every count.
@@ -126,22 +115,31 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     torch.compile's freezing does), the matmul skips it (figures in docs/performance.md); the outputs are
     bit for bit the same.
     """
+    return _kept_copy(weight, "_onednn_packed", _onednn_reorder)
+
+
+def _onednn_reorder(weight: torch.Tensor) -> torch.Tensor:
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_TOKENS)
+    except (AttributeError, RuntimeError):  # a torch without it: the plain weight serves
+        return weight
+
+
+def _kept_copy(weight: torch.Tensor, attr: str, make) -> torch.Tensor:
+    """`make(weight)`, made on first use and kept beside the weight as `attr` (within ``PACK_BUDGET_BYTES``
+    per process, counted by `packed_bytes`), made again if the weight is written in place or given new data;
+    the weight itself where the budget is spent or `make` returns it."""
     global _packed_bytes
     version = (weight._version, weight.data_ptr())  # written in place, or given new data (`.data = ...`)
-    cached = getattr(weight, "_onednn_packed", None)
+    cached = getattr(weight, attr, None)
     if cached is not None and cached[0] == version:
         return cached[1]
-    packed = weight
-    if _packed_bytes + weight.nbytes <= PACK_BUDGET_BYTES:
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_TOKENS)
-        except (AttributeError, RuntimeError):  # a torch without it: the plain weight serves
-            packed = weight
-    if packed is not weight:
-        _packed_bytes += packed.nbytes
-        weakref.finalize(packed, _release, packed.nbytes)  # when its weight dies or is packed again
-    weight._onednn_packed = (version, packed)  # type: ignore[attr-defined]
-    return packed
+    copy = make(weight) if _packed_bytes + weight.nbytes <= PACK_BUDGET_BYTES else weight
+    if copy is not weight:
+        _packed_bytes += copy.nbytes
+        weakref.finalize(copy, _release, copy.nbytes)  # when its weight dies or is made again
+    setattr(weight, attr, (version, copy))
+    return copy
 
 
 def _release(nbytes: int) -> None:
