@@ -1,7 +1,7 @@
 """This server side by side with what a user would otherwise run on a CPU, in one run, on the same texts.
 
-Contenders: embed-service at default settings (``--dtype auto``) and in exact mode (``--dtype float32``) over
-HTTP; sentence-transformers with each of its CPU backends in process (torch float32 and bfloat16, ONNX
+Contenders: embed-service at default settings (``--dtype auto``), in exact mode (``--dtype float32``) and with
+``--quantization int8`` over HTTP; sentence-transformers with each of its CPU backends in process (torch float32 and bfloat16, ONNX
 Runtime plain / O3 / dynamic int8, OpenVINO; benchmarks/peers.py, a fresh process of the peers' own virtual
 environment per contender and round); the Infinity server (``../shared/peers/infinity.sh``); and a decoder,
 SmolLM2-135M-Instruct, served and against sentence-transformers torch bfloat16 and OpenVINO (default
@@ -114,6 +114,9 @@ def start_servers(args: argparse.Namespace, decoder: Path | None) -> dict[str, S
         "ours": Server("ours", [*serve, "--port", str(p := free_port())], p),
         "ours-exact": Server(
             "ours-exact", [*serve, "--dtype", "float32", "--port", str(p2 := free_port())], p2
+        ),
+        "ours-int8": Server(
+            "ours-int8", [*serve, "--quantization", "int8", "--port", str(p5 := free_port())], p5
         ),
     }
     if decoder is not None:
@@ -322,6 +325,11 @@ def run_all(
                     k: load_run(servers["infinity"], t, s, "float", d)}))  # fmt: skip
         key = f"ours-exact|bulk-float|{c}"
         jobs.append((key, lambda t=texts, d=span(c, BULK), k=key: {k: load_run(exact, t, BULK, "float", d)}))
+        if "ours-int8" in servers:  # --quantization int8 (layers/quantize.py)
+            for shape_name, shape in (("bulk", BULK), ("online", ONLINE)):
+                key = f"ours-int8|{shape_name}-float|{c}"
+                jobs.append((key, lambda t=texts, s=shape, d=span(c, shape), k=key: {
+                    k: load_run(servers["ours-int8"], t, s, "float", d)}))  # fmt: skip
     dec_corpus: dict[str, list[str]] = {}
     dec_tokens: dict[str, float | None] = {}
     if decoder is not None and "decoder" in servers:
@@ -446,6 +454,8 @@ def accuracy_runs(
         out.setdefault("ours", {})[c] = min_cosine(fast, exact)
         out.setdefault("ours_vs_st", {})[c] = min_cosine(fast, ref)
         out.setdefault("ours-exact", {})[c] = min_cosine(exact, ref)
+        if "ours-int8" in servers:
+            out.setdefault("ours-int8", {})[c] = min_cosine(embed_all(servers["ours-int8"], texts), ref)
         for kind in peers.ENCODER_BACKENDS:
             f = vectors / f"st-{kind}" / f"{c}.npy"
             if f.is_file():

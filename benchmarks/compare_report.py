@@ -27,6 +27,8 @@ ENCODER_ROWS = [
     ("embed-service (auto: bf16)", "online: 1/request, c=32, float", "ours|online-float", "ours"),
     ("embed-service (auto: bf16)", "online: 1/request, c=32, base64", "ours|online-base64", "ours"),
     ("embed-service (float32)", "bulk: 32/request, c=4, float", "ours-exact|bulk-float", "ours-exact"),
+    ("embed-service (--quantization int8)", "bulk: 32/request, c=4, float", "ours-int8|bulk-float", "ours-int8"),
+    ("embed-service (--quantization int8)", "online: 1/request, c=32, float", "ours-int8|online-float", "ours-int8"),
     ("Infinity", "bulk: 32/request, c=4, float", "infinity|bulk-float", None),
     ("Infinity", "online: 1/request, c=32, float", "infinity|online-float", None),
 ]  # fmt: skip
@@ -222,6 +224,8 @@ def targets(f: Figures) -> list[str]:
         frac("encoder", "ours|bulk-float"))  # fmt: skip
     row("default dtype min cosine >= 0.999 vs float32", cos("ours", 0.999))
     row("float32 mode exact (min cosine >= 0.99999 vs sentence-transformers)", cos("ours-exact", 0.99999))
+    if "ours-int8|bulk-float" in {k.rsplit("|", 1)[0] for k in f.med}:
+        row("--quantization int8 min cosine >= 0.995 vs float32", cos("ours-int8", 0.995))
     if any(k.startswith("dec-") for k in f.med):
         row(
             "decoder bulk >= 2x the best peer with min cosine >= 0.999",
@@ -239,6 +243,8 @@ def targets(f: Figures) -> list[str]:
             "st-torch-fp32|encode",
         ),
         ("bulk vs Infinity bulk", "ours|bulk-float", "infinity|bulk-float"),
+        ("int8 bulk vs default bulk", "ours-int8|bulk-float", "ours|bulk-float"),
+        ("int8 online vs default online", "ours-int8|online-float", "ours|online-float"),
         ("online vs Infinity online", "ours|online-float", "infinity|online-float"),
         ("base64 vs float, bulk", "ours|bulk-base64", "ours|bulk-float"),
         ("base64 vs float, online", "ours|online-base64", "ours|online-float"),

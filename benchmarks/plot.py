@@ -28,9 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 LABELS = {
     "ours": "embed-service (auto: bf16)",
     "ours-exact": "embed-service (float32)",
+    "ours-int8": "embed-service (int8)",
     "infinity": "Infinity",
 }
-COLORS = {"ours": "#1f77b4", "ours-exact": "#17becf", "infinity": "#d62728"}
+COLORS = {"ours": "#1f77b4", "ours-exact": "#17becf", "ours-int8": "#9467bd", "infinity": "#d62728"}
 
 
 def main() -> int:

@@ -179,6 +179,11 @@ class ModelSettings(BaseSettings):
     """Weight and activation dtype. ``auto``: bfloat16 on GPUs that have it (float16 on older ones) and on CPUs
     with AMX or AVX512-BF16, float32 elsewhere. Pooling and normalization always run in float32."""
 
+    quantization: Literal["none", "int8"] = "none"
+    """``int8`` (CPU only): the transformer body's linear layers in int8, weights per output channel and
+    activations per token (VNNI or AMX-INT8 through oneDNN), the rest in the dtype; the start-up fidelity
+    check's floor is then 0.995 unless --fidelity-min-cosine says otherwise (docs/performance.md)."""
+
     max_input_length: int | None = None
     """Tokens per input, special tokens included. Default: the model's (sentence-transformers max_seq_length,
     else the tokenizer's model_max_length, else max_position_embeddings)."""
@@ -312,10 +317,11 @@ class ModelSettings(BaseSettings):
             raise ValueError("must be more than 0 seconds")
         return v
 
-    fidelity_min_cosine: float = 0.999
-    """At start-up each replica embeds a few fixed inputs as it serves them (dtype, kernels, attention,
-    tensor parallelism) and with a float32 reference pass of the same weights; below this cosine it refuses
-    to become ready, saying why (/info reports the figure). ``0``: no check."""
+    fidelity_min_cosine: float | None = None
+    """At start-up each replica embeds a few fixed inputs as it serves them (dtype, quantization, kernels,
+    attention, tensor parallelism) and with a float32 reference pass of the same weights; below this cosine
+    it refuses to become ready, saying why (/info reports the figure). ``0``: no check. Default: 0.999, and
+    0.995 with --quantization int8."""
 
     fidelity_warn_only: bool = False
     """Serve anyway when the start-up fidelity check fails, with a warning in the log and in /info."""
@@ -355,8 +361,8 @@ class ModelSettings(BaseSettings):
 
     @field_validator("fidelity_min_cosine")
     @classmethod
-    def _cosine(cls, v: float) -> float:
-        if not 0 <= v <= 1:  # NaN too
+    def _cosine(cls, v: float | None) -> float | None:
+        if v is not None and not 0 <= v <= 1:  # NaN too
             raise ValueError("must be a cosine between 0 and 1")
         return v
 

@@ -61,7 +61,7 @@ def test_the_kernel_built_for_this_cpu_keeps_subnormals(compiler, tmp_path):
 def test_the_prebuilt_kernels_keep_subnormals(compiler, tmp_path):
     out = tmp_path / "prebuilt"
     cpu_kernels.prebuild(out, compiler)
-    flags = cpu_kernels._cpu_flags()
+    flags = cpu_kernels.cpu_flags()
     runnable = [name for name, _, needs in cpu_kernels.VARIANTS if set(needs) <= flags]
     if not runnable:
         pytest.skip("this CPU runs none of the prebuilt levels")

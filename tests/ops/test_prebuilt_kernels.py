@@ -65,7 +65,7 @@ def check_against_reference(kernel: cpu_kernels.AttentionKernel) -> None:
 def test_each_level_computes_the_reference_attention(prebuilt, variant):
     name, _flags, needs = variant
     if not runs_here(needs):
-        pytest.skip(f"this CPU lacks {sorted(set(needs) - set(cpu_kernels._cpu_flags()))} for {name}")
+        pytest.skip(f"this CPU lacks {sorted(set(needs) - set(cpu_kernels.cpu_flags()))} for {name}")
     check_against_reference(cpu_kernels.AttentionKernel(prebuilt / f"varlen_attention-{name}.so"))
 
 

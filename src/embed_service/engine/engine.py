@@ -31,7 +31,9 @@ from embed_service.engine.serving.score import ScoreServing
 from embed_service.engine.serving.windowed import WindowedServing
 from embed_service.engine.text import EmbedOptions, EmbedResult, Inputs
 from embed_service.engine.tokenizer import Tokenizer
+from embed_service.layers.quantize import fidelity_threshold, unsupported
 from embed_service.models.spec import ModelSpec
+from embed_service.ops.cpu_kernels import cpu_flags
 from embed_service.outputs import DENSE, KINDS, OutputRequest, SequenceOutput
 from embed_service.parallel import check_shardable
 from embed_service.plan import ModelPlan, ModelRequest, copies_fit, plan_resources
@@ -102,8 +104,13 @@ class Engine(EmbedServing, WindowedServing, ScoreServing, ImageServing):
             self._pairs  # noqa: B018 (built now: a chat template that cannot carry a pair fails the start)
         self.device = plan.device if plan else resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, self.device)
+        if settings.quantization == "int8":
+            why = unsupported(self.device, spec.family.causal, cpu_flags())
+            if why is not None:
+                raise ValueError(why)
         tp = settings.tensor_parallel_size
-        self.cache = output_cache(settings, spec, self.name, f"{self.dtype}/{self.device}/tp={tp}")
+        numerics = self.dtype if settings.quantization == "none" else f"{self.dtype}+{settings.quantization}"
+        self.cache = output_cache(settings, spec, self.name, f"{numerics}/{self.device}/tp={tp}")
         check_shardable(spec.config, tp)  # before any worker starts: fail fast, naming the numbers
         # Replicas, threads and devices: the resource plan (plan.py says why these defaults). Alone, the
         # model plans for the whole machine; a plan it cannot have (GPUs not there) is a ValueError here.
@@ -126,7 +133,10 @@ class Engine(EmbedServing, WindowedServing, ScoreServing, ImageServing):
             devices=self.plan.devices[0],
             llm_reranker=settings.llm_reranker,
             max_batch_tokens=self.max_batch_tokens,
-            fidelity_min_cosine=settings.fidelity_min_cosine,
+            quantization=settings.quantization,
+            fidelity_min_cosine=fidelity_threshold(settings),
+            # int8 is checked on real text too (workers/fidelity.CHECK_TEXTS says why)
+            check_ids=() if settings.quantization == "none" else self._check_ids(),
             fidelity_warn_only=settings.fidelity_warn_only,
             cuda_graphs=settings.cuda_graphs,
         )
@@ -218,6 +228,12 @@ class Engine(EmbedServing, WindowedServing, ScoreServing, ImageServing):
         if self.state == "loading":
             self.state = "ready"
             log.info("model %s: ready", self.name)
+
+    def _check_ids(self) -> tuple[tuple[int, ...], ...]:
+        """The fidelity check's real texts as this model serves them (special tokens, EOS where it asks)."""
+        from embed_service.workers.fidelity import CHECK_TEXTS
+
+        return tuple(tuple(ids) for ids in self.tokenizer.encode(list(CHECK_TEXTS)))
 
     def begin_drain(self) -> None:
         if self.state in ("ready", "loading", "restarting"):
@@ -352,6 +368,7 @@ class Engine(EmbedServing, WindowedServing, ScoreServing, ImageServing):
             "max_chunks_per_input": s.max_chunks_per_input,
             # On CUDA --dtype auto is decided by the workers (from the GPU's compute capability).
             "dtype": first.group.rank_info[0].get("dtype", self.dtype) if first else self.dtype,
+            "quantization": self.settings.quantization,
             "device": self.device,
             "tensor_parallel_size": s.tensor_parallel_size,
             "num_threads": self.num_threads,

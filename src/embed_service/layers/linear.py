@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from embed_service.layers import quantize
 from embed_service.ops import invariance
 from embed_service.ops.cpu_kernels import AttentionKernel, attention_kernel, pack_small_linear
 from embed_service.parallel import all_reduce, tp_rank, tp_world_size
@@ -45,6 +47,8 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
 
 
 def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if quantize.applies(x, weight):  # --quantization int8
+        return quantize.linear(x, int8_weight(weight), bias, gelu=False)
     if onednn_bf16(x, weight):
         out = small_linear(x, weight, bias, gelu=False)
         if out is not None:
@@ -118,6 +122,12 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     return _kept_copy(weight, "_onednn_packed", _onednn_reorder)
 
 
+def int8_weight(weight: torch.Tensor) -> quantize.Int8Weight:
+    """A weight marked by quantize.mark as its int8 copy: made on first use and kept beside it like
+    `packed_weight`'s (counted in `packed_bytes`, outside its budget: an int8 model runs int8 throughout)."""
+    return _kept_copy(weight, "_int8", quantize.quantize_weight, budget=False)
+
+
 def _onednn_reorder(weight: torch.Tensor) -> torch.Tensor:
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_TOKENS)
@@ -125,16 +135,17 @@ def _onednn_reorder(weight: torch.Tensor) -> torch.Tensor:
         return weight
 
 
-def _kept_copy(weight: torch.Tensor, attr: str, make) -> torch.Tensor:
+def _kept_copy(weight: torch.Tensor, attr: str, make, budget: bool = True):
     """`make(weight)`, made on first use and kept beside the weight as `attr` (within ``PACK_BUDGET_BYTES``
-    per process, counted by `packed_bytes`), made again if the weight is written in place or given new data;
-    the weight itself where the budget is spent or `make` returns it."""
+    per process unless not `budget`, counted by `packed_bytes`), made again if the weight is written in place
+    or given new data; the weight itself where the budget is spent or `make` returns it."""
     global _packed_bytes
     version = (weight._version, weight.data_ptr())  # written in place, or given new data (`.data = ...`)
     cached = getattr(weight, attr, None)
     if cached is not None and cached[0] == version:
         return cached[1]
-    copy = make(weight) if _packed_bytes + weight.nbytes <= PACK_BUDGET_BYTES else weight
+    fits = not budget or _packed_bytes + weight.nbytes <= PACK_BUDGET_BYTES
+    copy = make(weight) if fits else weight
     if copy is not weight:
         _packed_bytes += copy.nbytes
         weakref.finalize(copy, _release, copy.nbytes)  # when its weight dies or is made again
@@ -150,6 +161,22 @@ def _release(nbytes: int) -> None:
 def packed_bytes() -> int:
     """Bytes of packed weight copies this process holds (reported by /info beside the parameters)."""
     return _packed_bytes
+
+
+def keeps_qkv(name: str, module: nn.Module) -> bool:
+    """The default of `mark_int8`: query/key/value projections stay in the model's dtype (layers/quantize.py)."""
+    return isinstance(module, QKVParallelLinear)
+
+
+def mark_int8(model: nn.Module, keep: Callable[[str, nn.Module], bool] = keeps_qkv) -> int:
+    """Mark the body's linear layers of `model` for --quantization int8 (their weights get an int8 copy on
+    first use, `int8_weight`), except those `keep(name, module)` accepts; returns how many."""
+    count = 0
+    for name, module in model.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and not keep(name, module):
+            module.weight.int8 = True  # type: ignore[attr-defined]
+            count += 1
+    return count
 
 
 class Linear(nn.Linear):

@@ -82,7 +82,8 @@ def _cpu_identity() -> str:
     return platform.machine() + "".join(lines)
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """This CPU's flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -212,7 +213,7 @@ def _prebuilt_fd() -> tuple[int, str, Path] | None:
         return None
     if manifest.get("source_sha256") != source_digest():
         raise UntrustedCacheError(f"the prebuilt kernels in {directory} were built from another source")
-    flags = _cpu_flags()
+    flags = cpu_flags()
     for name, _flags, needs in VARIANTS:
         entry = manifest["variants"].get(name)
         if entry is None or not set(needs) <= flags:

@@ -74,6 +74,11 @@ def kernels() -> ModuleType | None:
     return _kernels if not _suspended else None
 
 
+def suspended() -> bool:
+    """Whether a reference_only() block is running (int8 layers, layers/quantize.py, run unquantized then)."""
+    return _suspended > 0
+
+
 @contextlib.contextmanager
 def reference_only() -> Iterator[None]:
     """Run the references inside this block, whatever was chosen."""

@@ -17,7 +17,7 @@ path had: nothing is rounded twice.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,31 @@ from embed_service.ops import fused
 # Short: on a CPU the float32 pass costs about 2 ms per token of the default model, at every start.
 CHECK_LENGTHS = (3, 17, 90)
 CHECK_SEED = 1234
+
+# Real text beside the random ids where the fast path quantizes (--quantization int8, layers/quantize.py):
+# per-token int8 fails on the outlier features real tokens raise and random ids do not (SmolLM2-135M in
+# int8: 0.9977 on the random ids alone, 0.965 on real queries; benchmarks/int8.py). Short ones first, as
+# the worst cosines are the short texts'; the engine tokenizes them as it serves (WorkerConfig.check_ids).
+CHECK_TEXTS = (
+    "??",
+    "ok",
+    "Add a description here.",
+    "Things I use all the time.",
+    "How do I reverse a list in Python?",
+    "1 2 3 4 5 6 7 8 9 10",
+    "Ошибка при подключении к базе данных",
+    "向量检索服务的嵌入模型",
+    "¿Dónde está la estación de tren?",
+    "SELECT name FROM users WHERE id = 42;",
+    "def main():\n    return 0",
+    "https://example.com/docs/api?v=2#section",
+    "Returns the number of bytes written, or -1 on error.",
+    "Raised when a configuration file cannot be parsed or names an unknown key.",
+    "The quick brown fox jumps over the lazy dog while the cat sleeps in the sun.",
+    "A client library for the service's HTTP API: it retries failed requests with exponential backoff, "
+    "streams large responses in chunks, and validates every reply against the published schema before "
+    "handing it to the caller, raising a typed error that names the field at fault.",
+)
 
 
 @dataclass(frozen=True)
@@ -106,12 +131,18 @@ def measure(
     fast_is_reference: bool,
     reference_run: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
     image_run: Callable[[bool], np.ndarray] | None = None,
+    text_ids: Sequence[Sequence[int]] = (),
 ) -> FidelityResult:
     """`run(ids, lengths)` -> (B, D) dense vectors from `model`, as served; `reference_run` the same
     eagerly, where `run` replays CUDA graphs (a replay would not follow the swapped parameters).
     `image_run(replay)` -> (1, D): the synthetic picture's vector (check_image), for a model that embeds
-    images; replay False in the reference pass, as reference_run."""
+    images; replay False in the reference pass, as reference_run. `text_ids`: token ids of more inputs (the
+    CHECK_TEXTS, tokenized), checked beside the random ones."""
     ids, lengths = check_inputs(vocab_size, max_len)
+    seqs = [list(t)[:max_len] for t in text_ids if len(t)]
+    if seqs:
+        ids = np.concatenate([ids, np.array([i for t in seqs for i in t], dtype=np.int32)])
+        lengths = np.concatenate([lengths, np.array([len(t) for t in seqs], dtype=np.int32)])
     images = int(image_run is not None)
     if threshold <= 0:
         return FidelityResult(None, threshold, 0, "--fidelity-min-cosine 0")

@@ -43,7 +43,9 @@ class WorkerConfig:
     dist_port: int
     llm_reranker: bool = False  # Settings.llm_reranker: the spec is read with it
     max_batch_tokens: int = 0  # the largest batch serving forms; 0: 2 x max_input_length
-    fidelity_min_cosine: float = 0.999  # --fidelity-min-cosine (workers/fidelity.py); 0: not checked
+    quantization: str = "none"  # --quantization (layers/quantize.py)
+    fidelity_min_cosine: float = 0.999  # the resolved threshold (workers/fidelity.py); 0: not checked
+    check_ids: tuple[tuple[int, ...], ...] = ()  # fidelity.CHECK_TEXTS as the engine tokenizes them, or none
     fidelity_warn_only: bool = False  # --fidelity-warn-only
     devices: tuple[str, ...] = ()  # one per rank, from the resource plan (plan.py); empty: cuda:rank or cpu
     cuda_graphs: bool = False  # --cuda-graphs (workers/graphs.py)
@@ -167,7 +169,7 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection, lane: Connection | No
     import torch
     import torch.distributed as dist
 
-    from embed_service.layers.linear import packed_bytes
+    from embed_service.layers.linear import mark_int8, packed_bytes
     from embed_service.models.loader import EmbeddingModel
     from embed_service.models.spec import load_spec
     from embed_service.ops import attention, fused
@@ -215,6 +217,8 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection, lane: Connection | No
         model: Any = null_model.NullModel(spec.dimension)
     else:
         model = EmbeddingModel(spec, DTYPES[dtype], device).eval()
+        if cfg.quantization == "int8":
+            say(f"int8: {mark_int8(model)} linear layers quantized per output channel on first use")
     say(f"weights loaded in {time.perf_counter() - t0:.1f}s; warming up")
 
     runner: Any = None  # workers/graphs.GraphRunner once captured (before the warm-up and the check)
@@ -285,16 +289,20 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection, lane: Connection | No
         int(spec.config.get("vocab_size") or 1000),
         spec.max_input_length,
         cfg.fidelity_min_cosine if DENSE in spec.outputs and not null_model.wanted() else 0.0,
-        fast_is_reference=dtype == "float32" and kernels.startswith("torch") and runner is None,
+        fast_is_reference=dtype == "float32"
+        and kernels.startswith("torch")
+        and runner is None
+        and cfg.quantization == "none",
         reference_run=vectors(False),  # the float32 pass swaps the parameters: a replay would not follow
         image_run=None if spec.image_processor is None else image_vector(spec, run),
+        text_ids=cfg.check_ids,
     )
     if not check.passed:
         reason = (
             f"fidelity check failed: the served vectors of {check.inputs} fixed inputs "
             f"({check.images} synthetic image(s)) reach a cosine of "
             f"only {check.min_cosine:.6f} to a float32 reference pass of the same weights (needs "
-            f"{check.threshold}; dtype {dtype}, kernels {kernels}, attention {attention_backend}, "
+            f"{check.threshold}; dtype {dtype}, quantization {cfg.quantization}, kernels {kernels}, attention {attention_backend}, "
             f"{cfg.world_size} rank(s), CUDA graphs {'on' if runner is not None else 'off'})"
         )
         if not cfg.fidelity_warn_only:
@@ -324,6 +332,7 @@ def _serve(rank: int, cfg: WorkerConfig, conn: Connection, lane: Connection | No
                 # token): what the batch deadline is derived from.
                 "warmup_seconds_per_token": longest_s / int(ids.size),
                 "dtype": dtype,
+                "quantization": cfg.quantization,
                 "kernels": kernels,
                 "attention": attention_backend,
                 "fidelity": check.info(),

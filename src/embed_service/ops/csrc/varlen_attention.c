@@ -517,3 +517,77 @@ int small_linear(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, ui
     return -2;
 #endif
 }
+
+/* The two ends of an int8 linear layer (layers/quantize.py): the matmul between them is oneDNN's
+ * int8 x int8 -> int32 (torch._int_mm, VNNI or AMX-INT8), whose integer sums are exact.
+ *
+ * quantize_rows: per row (token) asymmetric 8-bit over [lo, hi] = [min(x, 0), max(x, 0)]:
+ * scale[r] = (hi - lo) / 255, zero z = rint(-lo / scale) in [0, 255], u = clamp(rint(x / scale) + z, 0, 255),
+ * stored as the int8 q = u - 128 with zero[r] = z - 128, so that x ~ scale * (q - zero) (a row of zeros:
+ * scale 0, q and zero -128). x is (M, K) contiguous, bfloat16 (bf16 = 1) or float32; one read per row,
+ * the row in cache for the second.
+ *
+ * dequantize_rows: out[r, n] = (acc[r, n] - zero[r] * col_sum[n]) * row_scale[r] * col_scale[n] + bias[n],
+ * where col_sum[n] is the sum of the int8 weight's row n (the zero point's share of the integer product,
+ * subtracted exactly in int32), then with `gelu` exact (erf) GELU, in float32, rounded once into bfloat16
+ * (bf16 = 1, to nearest even) or stored as float32; bias (may be NULL) in the output's dtype. acc is
+ * (M, N) int32 contiguous. 0, or -1 without memory for a row of scratch (quantize_rows: 0). */
+int quantize_rows(const void *x, int bf16, int64_t M, int K, int8_t *q, float *scale, int32_t *zero,
+                  int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t r = 0; r < M; r++) {
+        float row[K];
+        load_row(row, bf16 ? (const void *)((const uint16_t *)x + r * K) : (const void *)((const float *)x + r * K),
+                 K, bf16);
+        float lo = 0.0f, hi = 0.0f;
+#pragma omp simd reduction(min : lo) reduction(max : hi)
+        for (int k = 0; k < K; k++) {
+            lo = fminf(lo, row[k]);
+            hi = fmaxf(hi, row[k]);
+        }
+        const float s = (hi - lo) / 255.0f;
+        const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+        const float z = fminf(255.0f, fmaxf(0.0f, rintf(-lo * inv)));
+        scale[r] = s;
+        zero[r] = (int32_t)z - 128;
+        int8_t *out = q + r * K;
+#pragma omp simd
+        for (int k = 0; k < K; k++) out[k] = (int8_t)(fmaxf(0.0f, fminf(255.0f, rintf(row[k] * inv) + z)) - 128.0f);
+    }
+    return 0;
+}
+
+int dequantize_rows(const int32_t *acc, int64_t M, int N, const float *row_scale, const int32_t *row_zero,
+                    const float *col_scale, const int32_t *col_sum, const void *bias, int gelu, void *out,
+                    int bf16, int num_threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *b = malloc(2 * (size_t)N * sizeof(float)), *v = b + N;
+        if (b == NULL) failed = 1;
+        for (int n = 0; b != NULL && n < N; n++)
+            b[n] = bias == NULL ? 0.0f : bf16 ? bf16_to_float(((const uint16_t *)bias)[n]) : ((const float *)bias)[n];
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < M; r++) {
+            if (b == NULL) continue;
+            const int32_t *a = acc + r * N;
+            const float s = row_scale[r];
+            const int32_t z = row_zero[r];
+#pragma omp simd
+            for (int n = 0; n < N; n++) v[n] = (float)(a[n] - z * col_sum[n]) * s * col_scale[n] + b[n];
+            if (gelu) {
+#pragma omp simd
+                for (int n = 0; n < N; n++) v[n] = gelu_erf(v[n]);
+            }
+            if (bf16) {
+                uint16_t *o = (uint16_t *)out + r * N;
+#pragma omp simd
+                for (int n = 0; n < N; n++) o[n] = float_to_bf16(v[n]);
+            } else {
+                memcpy((float *)out + r * N, v, (size_t)N * sizeof(float));
+            }
+        }
+        free(b);
+    }
+    return failed ? -1 : 0;
+}
