@@ -180,7 +180,7 @@ class ModelSettings(BaseSettings):
     with AMX or AVX512-BF16, float32 elsewhere. Pooling and normalization always run in float32."""
 
     quantization: Literal["none", "int8"] = "none"
-    """``int8`` (CPU only): the transformer body's linear layers in int8, weights per output channel and
+    """``int8`` (CPU only): the attention-output and MLP projections in int8 (query/key/value stay in the dtype), weights per output channel and
     activations per token (VNNI or AMX-INT8 through oneDNN), the rest in the dtype; the start-up fidelity
     check's floor is then 0.995 unless --fidelity-min-cosine says otherwise (docs/performance.md)."""
 

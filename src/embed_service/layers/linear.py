@@ -123,7 +123,7 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def int8_weight(weight: torch.Tensor) -> quantize.Int8Weight:
-    """A weight marked by quantize.mark as its int8 copy: made on first use and kept beside it like
+    """A weight marked by `mark_int8` as its int8 copy: made on first use and kept beside it like
     `packed_weight`'s (counted in `packed_bytes`, outside its budget: an int8 model runs int8 throughout)."""
     return _kept_copy(weight, "_int8", quantize.quantize_weight, budget=False)
 

@@ -34,8 +34,6 @@ from embed_service.ops import fused
 from embed_service.ops.cpu_kernels import attention_kernel
 from embed_service.ops.int8_kernels import Int8Kernel
 
-QUANTIZATIONS = ("none", "int8")
-
 INT8_MIN_COSINE = 0.995
 """The fidelity floor of --quantization int8: the start-up check's threshold unless --fidelity-min-cosine
 says otherwise (the unquantized default is 0.999)."""

@@ -34,7 +34,7 @@ CHECK_SEED = 1234
 
 # Real text beside the random ids where the fast path quantizes (--quantization int8, layers/quantize.py):
 # per-token int8 fails on the outlier features real tokens raise and random ids do not (SmolLM2-135M in
-# int8: 0.9977 on the random ids alone, 0.965 on real queries; benchmarks/int8.py). Short ones first, as
+# int8: 0.965 on a real query, benchmarks/results/int8_smollm2.json, though the random ids alone passed). Short ones first, as
 # the worst cosines are the short texts'; the engine tokenizes them as it serves (WorkerConfig.check_ids).
 CHECK_TEXTS = (
     "??",
