@@ -266,6 +266,41 @@ def test_stop_answers_what_is_waiting_and_what_is_running():
     assert [type(f.exception()) for f in futures] == [ConnectionAbortedError] * 3
 
 
+def test_a_coroutine_backend_is_awaited_on_the_loop_and_a_failure_is_retried_like_any_other():
+    threads: set[int] = set()
+    failed: list[list[int]] = []
+    took: asyncio.Event | None = None
+
+    async def on_loop(ids, lengths, requests):
+        threads.add(threading.get_ident())
+        # It waits on the loop (as the workers' pipes do), busy until the failing backend took a batch.
+        assert took is not None
+        await asyncio.wait_for(took.wait(), 60)
+        return lengths.tolist()
+
+    async def failing(ids, lengths, requests):
+        failed.append(lengths.tolist())
+        assert took is not None
+        took.set()
+        raise RuntimeError("injected")
+
+    async def main():
+        nonlocal took
+        took = asyncio.Event()
+        batcher = Batcher([failing, on_loop], 16, 256, "m")
+        batcher.start()
+        seqs = make(asyncio.get_running_loop(), [5, 6, 7, 8, 9])
+        batcher.submit(seqs)
+        results = await asyncio.wait_for(asyncio.gather(*(s.future for s in seqs)), 60)
+        await batcher.stop()
+        return results, threading.get_ident()
+
+    results, loop_thread = run(main())
+    assert results == [5, 6, 7, 8, 9]
+    assert threads == {loop_thread}  # no compute thread
+    assert failed  # the failing backend took a batch, and its sequences were answered by the other
+
+
 def test_a_failed_batch_is_retried_once_on_another_backend():
     calls: list[tuple[str, list[int]]] = []
     failed = threading.Event()

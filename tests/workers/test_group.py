@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import uvloop
 from safetensors.torch import load_file, save_file
 
 from embed_service.outputs import DENSE_ONLY
@@ -137,7 +138,8 @@ def test_a_stopped_worker_is_declared_dead_by_its_heartbeat(default_model_path):
         group.close()
 
 
-def test_a_batch_past_its_deadline_kills_the_group_instead_of_waiting_forever(default_model_path):
+@pytest.mark.parametrize("path", ["thread", "event loop"])
+def test_a_batch_past_its_deadline_kills_the_group_instead_of_waiting_forever(default_model_path, path):
     deaths: list[str] = []
     group = WorkerGroup(one_rank(default_model_path), on_death=deaths.append, batch_timeout=0.02)
     group.start()
@@ -147,8 +149,12 @@ def test_a_batch_past_its_deadline_kills_the_group_instead_of_waiting_forever(de
         # ("stopped responding"); the batch deadline, 0.02 s, is what must end the wait.
         os.kill(group.pids[0], signal.SIGSTOP)
         ids = np.full(4, 1037, dtype=np.int32)
+        lengths = np.array([4], dtype=np.int32)
         with pytest.raises(WorkerDiedError, match=r"did not answer a batch of 4 tokens within 0.02s"):
-            group.run(ids, np.array([4], dtype=np.int32), [DENSE_ONLY])
+            if path == "thread":
+                group.run(ids, lengths, [DENSE_ONLY])
+            else:  # WorkerGroup.run_async, on uvloop as the server runs it
+                uvloop.run(group.run_async(ids, lengths, [DENSE_ONLY]))
         assert len(deaths) == 1 and "did not answer" in deaths[0]
         assert_all_exited(group)
     finally:

@@ -1,5 +1,7 @@
 """The queue owner. Callers append sequences and await their futures; the batcher forms batches with the
-policy and runs the compute function on a thread, off the event loop.
+policy and runs the compute function: a coroutine function is awaited on the loop (the engine's: the
+workers' pipes are written and read by the loop itself, workers/group.py), a plain one runs on a thread of
+its backend, off the event loop.
 
 Batches are formed when a compute backend is free (see policy.py for why); there is one backend per model
 replica.
@@ -18,10 +20,11 @@ request went away), whatever fails:
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from itertools import chain
 from typing import Any
@@ -35,8 +38,9 @@ from embed_service.outputs import OutputRequest
 
 log = logging.getLogger(__name__)
 
-# (flat token ids (T,) int32, lengths (B,) int32, one OutputRequest per sequence) -> one result per sequence
-ComputeFn = Callable[[np.ndarray, np.ndarray, list[OutputRequest]], list[Any]]
+# (flat token ids (T,) int32, lengths (B,) int32, one OutputRequest per sequence) -> one result per sequence;
+# or a coroutine function returning the same.
+ComputeFn = Callable[[np.ndarray, np.ndarray, list[OutputRequest]], list[Any] | Awaitable[list[Any]]]
 
 
 class BackendLost(Exception):
@@ -297,8 +301,11 @@ class Batcher:
     async def _run_loop(self, index: int) -> None:
         loop = asyncio.get_running_loop()
         compute, wakeup = self.backends[index], self._wakeups[index]
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compute-{self.model}-{index}")
-        self._threads.append(pool)
+        on_loop = inspect.iscoroutinefunction(compute)
+        pool = None
+        if not on_loop:
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compute-{self.model}-{index}")
+            self._threads.append(pool)
         while True:
             await wakeup.wait()
             if not self._up[index]:
@@ -331,7 +338,10 @@ class Batcher:
             self._running[index] = batch
             try:
                 requests = [s.output for s in batch]
-                results = await loop.run_in_executor(pool, compute, ids, lengths, requests)
+                if on_loop:
+                    results = await compute(ids, lengths, requests)  # type: ignore[misc]
+                else:
+                    results = await loop.run_in_executor(pool, compute, ids, lengths, requests)
                 if len(results) != len(batch):
                     raise ShortResultError(
                         f"replica {index} returned {len(results)} results for a batch of {len(batch)}"

@@ -210,7 +210,7 @@ class Engine(EmbedServing, WindowedServing, ScoreServing, ImageServing):
             log.warning("model %s: batch invariance not verified: %s", self.name, self.invariance["detail"])
             self.cache = None  # its hits would not be the bytes a computation gives
         self.batcher = Batcher(
-            [functools.partial(self._compute, replica=r) for r in range(self.replicas)],
+            [functools.partial(self._compute_async, replica=r) for r in range(self.replicas)],
             self.max_batch_tokens,
             self.settings.max_batch_requests,
             self.name,
@@ -218,7 +218,7 @@ class Engine(EmbedServing, WindowedServing, ScoreServing, ImageServing):
             if self.settings.priority_max_tokens and not lanes
             else 0,
             bulk_aging_s=self.settings.bulk_aging_s,
-            lanes=[functools.partial(self._compute, replica=r, lane=True) for r in range(self.replicas)]
+            lanes=[functools.partial(self._compute_async, replica=r, lane=True) for r in range(self.replicas)]
             if lanes
             else None,
             lane_batch_tokens=LANE_BATCH_REQUESTS * self.settings.priority_max_tokens,
@@ -302,7 +302,7 @@ class Engine(EmbedServing, WindowedServing, ScoreServing, ImageServing):
 
     # --- serving ----------------------------------------------------------------------------------
 
-    def _compute(
+    async def _compute_async(
         self,
         ids: np.ndarray,
         lengths: np.ndarray,
@@ -310,7 +310,7 @@ class Engine(EmbedServing, WindowedServing, ScoreServing, ImageServing):
         replica: int = 0,
         lane: bool = False,
     ) -> list[SequenceOutput]:
-        return self.replica_set.compute(replica, ids, lengths, requests, lane)
+        return await self.replica_set.compute_async(replica, ids, lengths, requests, lane)
 
     def _compute_any(
         self, ids: np.ndarray, lengths: np.ndarray, requests: list[OutputRequest], backend: int

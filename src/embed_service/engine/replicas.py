@@ -17,10 +17,11 @@ keep serving.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,9 +166,27 @@ class Replicas:
         requests: list[OutputRequest],
         lane: bool = False,
     ) -> list[SequenceOutput]:
-        """Run one batch on replica `index` (blocking; on a compute thread); `lane`: on its priority lane."""
-        try:
+        """Run one batch on replica `index` (blocking; on a thread); `lane`: on its priority lane."""
+        with self._served_errors():
             return self.replicas[index].group.run(ids, lengths, requests, lane)
+
+    async def compute_async(
+        self,
+        index: int,
+        ids: np.ndarray,
+        lengths: np.ndarray,
+        requests: list[OutputRequest],
+        lane: bool = False,
+    ) -> list[SequenceOutput]:
+        """`compute`, from the event loop (workers/group.py `run_async`): what the batcher calls."""
+        with self._served_errors():
+            return await self.replicas[index].group.run_async(ids, lengths, requests, lane)
+
+    @contextlib.contextmanager
+    def _served_errors(self) -> Iterator[None]:
+        """A group's errors as the engine serves them: a lost replica, or a batch the device cannot hold."""
+        try:
+            yield
         except WorkerDiedError as exc:
             raise ReplicaLostError(f"model {self.model} is unavailable: {exc}") from None
         except BatchOutOfMemoryError as exc:

@@ -13,15 +13,19 @@ collective, a stuck GPU). Dead groups are not reused; the owner starts a new one
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import multiprocessing as mp
+import os
 import signal
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler as _ForkingPickler
 from typing import Any
 
 import numpy as np
@@ -240,7 +244,46 @@ class WorkerGroup:
                     conn.send(("run", ids, lengths, list(requests)))
                 msg = self._answer(conns[0], int(ids.size))
             except (EOFError, OSError):
-                msg = ("fatal", "a worker exited during a batch")
+                msg = _EXITED
+        return self._outcome(requests, msg)
+
+    async def run_async(
+        self, ids: np.ndarray, lengths: np.ndarray, requests: list[OutputRequest], lane: bool = False
+    ) -> list[SequenceOutput]:
+        """`run`, from the event loop: the batch is written to the worker's pipe and its answer read as it
+        arrives, both by the loop without waiting, instead of on a compute thread (two hand-offs between
+        threads per batch, each waiting for the GIL while the loop runs requests). Where this path cannot
+        take the batch it runs `run` on a thread: several ranks, a message over `_LOOP_MESSAGE_BYTES`
+        (images), a caller on another thread using the pipe, or a loop without `add_reader`."""
+        loop = asyncio.get_running_loop()
+        conn = self.lane if lane else (self.conns[0] if len(self.conns) == 1 else None)
+        lock = self._lane_lock if lane else self._lock
+        payload = b"" if conn is None else _ForkingPickler.dumps(("run", ids, lengths, list(requests)))
+        if conn is None or len(payload) > _LOOP_MESSAGE_BYTES or not lock.acquire(blocking=False):
+            return await loop.run_in_executor(None, self.run, ids, lengths, requests, lane)
+        try:
+            if self.dead_reason:
+                raise WorkerDiedError(self.dead_reason)
+            exchange = _Exchange(loop, conn, payload, lock)  # it releases the lock once the answer is read
+        except BaseException:
+            lock.release()
+            raise
+        if exchange.unsupported:
+            return await loop.run_in_executor(None, self.run, ids, lengths, requests, lane)
+        try:
+            # Shielded: a cancelled caller leaves the exchange reading its answer, so the pipe's next batch
+            # does not read this one's.
+            msg = await asyncio.wait_for(asyncio.shield(exchange.answer), self.batch_timeout)
+        except asyncio.TimeoutError:
+            msg = ("hung", self._hung(int(ids.size)))
+        if msg[0] in ("ok", "error", "oom"):
+            return self._outcome(requests, msg)
+        # The group is dead or dying: naming the cause may wait for the watcher, and killing joins.
+        return await asyncio.to_thread(self._outcome, requests, msg)
+
+    def _outcome(self, requests: list[OutputRequest], msg: tuple) -> list[SequenceOutput]:
+        """Rank 0's answer to a batch -> its results, or the error it means. Blocking where the group is
+        dead or dying (it waits for the watcher to name the cause, and kills)."""
         if msg[0] == "hung":
             self._die(msg[1])
             raise WorkerDiedError(self.dead_reason)
@@ -258,17 +301,19 @@ class WorkerGroup:
             self._die(f"worker 0 failed during a batch: {msg[1]}")
         raise WorkerDiedError(self.dead_reason)
 
+    def _hung(self, tokens: int) -> str:
+        return (
+            f"worker 0 (pid {self.procs[0].pid}) did not answer a batch of {tokens} tokens within "
+            f"{self.batch_timeout:.3g}s (--batch-timeout)"
+        )
+
     def _answer(self, conn: Connection, tokens: int) -> tuple:
         """Rank 0's answer on `conn` to the batch just sent, or ("hung", reason) past the batch deadline."""
         if self.batch_timeout is None:
             return conn.recv()
         if conn.poll(self.batch_timeout):
             return conn.recv()
-        return (
-            "hung",
-            f"worker 0 (pid {self.procs[0].pid}) did not answer a batch of {tokens} tokens within "
-            f"{self.batch_timeout:.3g}s (--batch-timeout)",
-        )
+        return ("hung", self._hung(tokens))
 
     def _kill_all(self, join: bool = True) -> None:
         # Killing every rank closes their pipe ends, so a batch blocked on a result gets EOF at once.
@@ -305,3 +350,124 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+_EXITED = ("fatal", "a worker exited during a batch")
+# A batch message written by the loop: at most this many bytes, so that it fits in the pipe's empty socket
+# buffer (Linux: 208 KiB by default) and is written whole at once. A 4,096-token batch of 256 sequences is
+# about 25 KB; an image's pixels are larger and go through a thread.
+_LOOP_MESSAGE_BYTES = 64 * 1024
+_READ_CHUNK = 1 << 20
+
+
+class _Exchange:
+    """One batch's message and answer on a worker's pipe, driven by the event loop's readiness callbacks,
+    never blocking it: the message is written as multiprocessing.Connection frames it (a 4-byte big-endian
+    length, then the pickle), and the answer read the same way (or -1 and an 8-byte length, for a body over
+    2 GiB), so `WorkerGroup.run` and this path speak one protocol on one pipe, one batch at a time (the pipe's
+    lock, held from the write until the answer is read whole or the pipe closes). It reads and writes
+    through its own duplicate of the pipe's descriptor with MSG_DONTWAIT on each call, and leaves the pipe in
+    blocking mode for `run` (uvloop sets it non-blocking while it watches it); it reads no byte past its
+    answer.
+
+    `answer` resolves to the worker's message, or to ("fatal", ...) when the pipe closes (the worker exited).
+    `unsupported`: this pipe or loop cannot do it (not a socket, no add_reader); nothing was written and the
+    lock is released.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        conn: Connection,
+        payload: bytes | memoryview,
+        lock: threading.Lock,
+    ):
+        self.loop, self.lock = loop, lock
+        self.answer: asyncio.Future = loop.create_future()
+        self.unsupported = False
+        self._out = memoryview(struct.pack("!i", len(payload)) + payload)
+        self._buf = bytearray()
+        self._need = 4  # bytes of the answer's frame known to be needed so far
+        self._header = 0  # the frame's header length, once known (4, or 12 for a body over 2 GiB)
+        self._reading = self._writing = self._finished = False
+        fd = os.dup(conn.fileno())
+        try:
+            self.sock = socket.socket(fileno=fd)
+        except OSError:  # not a socket: a pipe made otherwise
+            os.close(fd)
+            self.unsupported = True
+            lock.release()
+            return
+        try:
+            loop.add_reader(self.sock.fileno(), self._readable)
+            self._reading = True
+        except NotImplementedError:
+            self.sock.close()
+            self.unsupported = True
+            lock.release()
+            return
+        self._write()
+
+    def _write(self) -> None:
+        try:
+            n = self.sock.send(self._out, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            n = 0
+        except OSError:
+            self._finish(_EXITED)
+            return
+        self._out = self._out[n:]
+        if self._out and not self._writing:
+            self.loop.add_writer(self.sock.fileno(), self._write)
+            self._writing = True
+        elif not self._out and self._writing:
+            self.loop.remove_writer(self.sock.fileno())
+            self._writing = False
+
+    def _readable(self) -> None:
+        try:
+            while len(self._buf) < self._need:
+                chunk = self.sock.recv(min(self._need - len(self._buf), _READ_CHUNK), socket.MSG_DONTWAIT)
+                if not chunk:
+                    self._finish(_EXITED)
+                    return
+                self._buf += chunk
+                if not self._header and len(self._buf) >= 4:
+                    (size,) = struct.unpack("!i", self._buf[:4])
+                    if size >= 0:
+                        self._header, self._need = 4, 4 + size
+                    elif len(self._buf) < 12:
+                        self._need = 12
+                    else:
+                        self._header = 12
+                        self._need = 12 + struct.unpack("!Q", self._buf[4:12])[0]
+        except BlockingIOError:
+            return  # the rest when it arrives
+        except OSError:
+            self._finish(_EXITED)
+            return
+        if self._header and len(self._buf) >= self._need:
+            try:
+                msg = _ForkingPickler.loads(memoryview(self._buf)[self._header :])
+            except Exception as exc:  # a torn or foreign message: the pipe cannot be trusted any more
+                msg = ("fatal", f"an unreadable answer from worker 0: {exc!r}")
+            self._finish(msg)
+
+    def _finish(self, msg: tuple) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        fd = self.sock.fileno()
+        if self._reading:
+            self.loop.remove_reader(fd)
+        if self._writing:
+            self.loop.remove_writer(fd)
+        self._reading = self._writing = False
+        # uvloop's poll handle (libuv) made the descriptor non-blocking, and the pipe's own descriptor with
+        # it (one open file): `run` on a thread needs it blocking again.
+        with contextlib.suppress(OSError):
+            os.set_blocking(fd, True)
+        self.sock.close()
+        self.lock.release()
+        if not self.answer.done():
+            self.answer.set_result(msg)
