@@ -2,7 +2,8 @@
 packaged default model: the loop writes the batch and reads the answer itself, on the same pipe and in the
 same frames as the thread path (`run`), so the two can take turns; a caller cancelled mid-batch leaves the
 answer to its own batch; a worker that dies mid-batch fails it with the reason, and the loop serves on
-meanwhile (a batch past its deadline: test_group.py, on both paths). Both loops a server runs on: asyncio's own and uvloop (uvicorn's where installed).
+meanwhile (a batch past its deadline: test_group.py, on both paths). Both loops a server runs on: asyncio's
+own and uvloop (uvicorn's where installed).
 """
 
 from __future__ import annotations
