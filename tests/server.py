@@ -219,3 +219,23 @@ def refusal(*args: str, env: dict[str, str] | None = None, timeout: float = 120.
     assert why, output
     print(f"\nrefused in {time.monotonic() - start:.1f}s with exit {run.returncode}: {why[0]}")
     return why[0]
+
+
+@contextlib.contextmanager
+def in_process_app(settings, model_path: Path, name: str) -> Iterator:
+    """A TestClient on `create_app` with one real engine (worker processes on `model_path`), once the model
+    serves."""
+    from fastapi.testclient import TestClient
+
+    from embed_service.api.app import create_app
+    from embed_service.engine.engine import Engine
+    from embed_service.models.spec import load_spec
+    from embed_service.server import local_plan
+
+    engines = [Engine(settings, load_spec(model_path, None), [name])]
+    with TestClient(create_app(settings, engines, local_plan(engines))) as client:
+        deadline = time.monotonic() + 120
+        while client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline, "the model did not load"
+            time.sleep(0.1)
+        yield client

@@ -25,12 +25,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from embed_service import observability
-from embed_service.api.app import create_app
 from embed_service.config import Settings
-from embed_service.engine.engine import Engine
-from embed_service.models.spec import load_spec
-from embed_service.server import local_plan
-from tests.server import ServerProcess, free_port
+from tests.server import ServerProcess, free_port, in_process_app
 
 MODEL = "all-MiniLM-L6-v2"
 CLOCK_SLACK_NS = 1_000_000  # queue and inference times come from perf_counter, converted: 1 ms either way
@@ -45,13 +41,7 @@ def traced(default_model_path) -> Iterator[tuple[TestClient, InMemorySpanExporte
     try:
         # 256 tokens a batch: the model's max input length, so two long inputs never share a batch.
         settings = Settings(dtype="float32", max_batch_tokens=256)
-        engines = [Engine(settings, load_spec(default_model_path, None), [MODEL])]
-        app = create_app(settings, engines, local_plan(engines))
-        with TestClient(app) as client:
-            deadline = time.monotonic() + 120
-            while client.get("/health").status_code != 200:
-                assert time.monotonic() < deadline, "the model did not load"
-                time.sleep(0.1)
+        with in_process_app(settings, default_model_path, MODEL) as client:
             yield client, exporter
     finally:
         observability.use_tracer_provider(None)

@@ -12,11 +12,12 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from embed_service import __version__
+from embed_service import __version__, observability
 from embed_service.api import cohere, docs, openapi, rerank
 from embed_service.api.access_log import AccessLogMiddleware, telemetry_config
 from embed_service.api.auth import ApiKeys, load_api_keys
 from embed_service.api.errors import install_handlers
+from embed_service.api.hot_routes import HotRoutes, hot_endpoints
 from embed_service.api.routes import check_api_key, router
 from embed_service.config import ServerSettings
 from embed_service.engine.errors import ModelNotFoundError
@@ -131,5 +132,10 @@ def create_app(settings: ServerSettings, engines: Sequence[ServingEngine], plan:
         bool(state.api_keys),
         rerank.REQUEST_MODELS,
     )
+    if observability.tracer_provider() is None:  # traced requests take FastAPI's routing (http.route)
+        endpoints = hot_endpoints(
+            [*router.routes, *cohere.router.routes, *rerank.router.routes], check_api_key
+        )
+        app.add_middleware(HotRoutes, endpoints=endpoints, check=check_api_key)
     app.add_middleware(AccessLogMiddleware, default_model=engines[0].name)  # the metrics too: one layer
     return app

@@ -131,35 +131,38 @@ def error_response(err: APIError) -> Response:
     )
 
 
-def install_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def _api(_: Request, exc: APIError) -> Response:
-        return error_response(exc)
-
-    @app.exception_handler(ClientDisconnect)
-    async def _gone(_: Request, __: ClientDisconnect) -> Response:
+def answered(exc: BaseException) -> APIError | None:
+    """The answer to an exception a route may raise, or None for one that is a bug (a 500, logged). The
+    app's exception handlers and the hot routes (api/hot_routes.py) both answer through this."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ClientDisconnect):
         # Whatever part of a route saw the disconnect: a 499 (its one line is the access line), not a
         # traceback and a 500.
-        return error_response(client_closed())
-
-    @app.exception_handler(EngineError)
-    async def _engine(_: Request, exc: EngineError) -> Response:
-        return error_response(from_engine(exc))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> Response:
-        return error_response(from_validation(exc))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
+        return client_closed()
+    if isinstance(exc, EngineError):
+        return from_engine(exc)
+    if isinstance(exc, RequestValidationError):
+        return from_validation(exc)
+    if isinstance(exc, StarletteHTTPException):
         types = {404: "not_found_error", 405: "invalid_request_error"}
-        err = APIError(
+        return APIError(
             exc.status_code,
             str(exc.detail),
             types.get(exc.status_code, "invalid_request_error"),
             headers=dict(exc.headers or {}),
         )
+    return None
+
+
+def install_handlers(app: FastAPI) -> None:
+    async def _known(_: Request, exc: Exception) -> Response:
+        err = answered(exc)
+        assert err is not None  # registered below for the kinds answered() knows
         return error_response(err)
+
+    for kind in (APIError, ClientDisconnect, EngineError, RequestValidationError, StarletteHTTPException):
+        app.add_exception_handler(kind, _known)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
