@@ -68,9 +68,10 @@ RUN mkdir -p /models/hub \
 
 # ---- CPU: the image ------------------------------------------------------------------------------------
 FROM python:${PYTHON_VERSION}-slim-${DEBIAN} AS cpu
-# No compiler: the CPU attention kernel (ops/csrc) comes prebuilt for x86-64-v3, -v4 and -v4 with AMX, and
-# the loader picks the best level the CPU's flags allow (-v4 runs as fast as -march=native on AVX-512); it
-# needs only libgomp (OpenMP), and neither gcc (about 190 MiB) nor an exec mount for a kernel cache.
+# No compiler: the CPU attention kernel (ops/csrc) comes prebuilt for x86-64-v3, -v4, -v4 with AVX512-BF16
+# and -v4 with AMX, and the loader picks the best level the CPU's flags allow (-v4 runs as fast as
+# -march=native on AVX-512); it needs only libgomp (OpenMP), and neither gcc (about 190 MiB) nor an exec
+# mount for a kernel cache.
 # DL3008: as above.
 # hadolint ignore=DL3008
 RUN apt-get update \

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from embed_service.ops import attention as attention_mod
+from embed_service.ops import cpu_kernels
 from embed_service.ops.attention import varlen_attention_reference, varlen_attention_torch
 from embed_service.ops.batch import FlatBatch
 from embed_service.ops.cpu_kernels import attention_kernel
@@ -28,6 +29,15 @@ def _torch_path(q, k, v, batch, causal, scale=None, window=None):
 
 
 PATHS = pytest.mark.parametrize("varlen_attention", [_kernel_path, _torch_path], ids=["kernel", "torch"])
+
+# The kernel's bf16 paths, forced by environment: the fastest this CPU has (AMX tiles, else AVX512-BF16 dot
+# products, else float32 FMAs), the dot products where the CPU has them (AMX off), and the float32 FMAs.
+BF16_PATHS = pytest.mark.parametrize(  # the `bf16_path` fixture (conftest.py) sets them
+    "bf16_path",
+    [{}, {"EMBED_CPU_AMX": "0"}, {"EMBED_CPU_AMX": "0", "EMBED_CPU_BF16_DOT": "0"}],
+    ids=["fastest", "no-amx", "float32-fma"],
+    indirect=True,
+)
 
 
 def test_kernel_is_built_where_a_compiler_exists():
@@ -80,25 +90,24 @@ def test_matches_reference_fp32(varlen_attention, lengths, causal, heads):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("amx", ["1", "0"], ids=["amx-if-present", "no-amx"])
+@BF16_PATHS
 @pytest.mark.parametrize("d", [32, 64, 128, 80])
 @PATHS
-def test_matches_reference_bf16(varlen_attention, d, amx, monkeypatch):
-    """Head sizes 32 and 64 run on AMX tiles where the CPU has them; EMBED_CPU_AMX=0 forces the float32 path."""
-    monkeypatch.setenv("EMBED_CPU_AMX", amx)
+def test_matches_reference_bf16(varlen_attention, d, bf16_path):
+    """Head sizes 32 and 64 run on AMX tiles where the CPU has them, multiples of 32 on the AVX512-BF16 dot
+    products where it has those; EMBED_CPU_AMX=0 and EMBED_CPU_BF16_DOT=0 force the float32 path."""
     q, k, v, batch = make([9, 40, 2, 300], 8, 2, d, torch.bfloat16)
     got = varlen_attention(q, k, v, batch, causal=False).float()
     want = varlen_attention_reference(q, k, v, batch.cu_seqlens, causal=False).float()
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("amx", ["1", "0"], ids=["amx-if-present", "no-amx"])
+@BF16_PATHS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
 @PATHS
-def test_strided_views_of_a_packed_projection(varlen_attention, dtype, causal, amx, monkeypatch):
+def test_strided_views_of_a_packed_projection(varlen_attention, dtype, causal, bf16_path):
     """What the models pass: q, k, v as views into one (T, (Hq + 2 Hkv) * D) projection."""
-    monkeypatch.setenv("EMBED_CPU_AMX", amx)
     lengths = [17, 1, 64, 33]
     t, hq, hkv, d = sum(lengths), 6, 2, 32
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -124,3 +133,24 @@ def test_positions_restart_per_sequence():
     b = FlatBatch.from_lengths(torch.arange(6), [2, 3, 1])
     assert b.positions.tolist() == [0, 1, 0, 1, 2, 0]
     assert b.cu_seqlens.tolist() == [0, 2, 5, 6] and b.max_seqlen == 3
+
+
+def cpu_has(flag: str) -> bool:
+    return flag in cpu_kernels.cpu_flags()
+
+
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 80, 24])
+def test_the_path_each_head_size_takes(d, monkeypatch):
+    """bf16 takes the fastest path the CPU has for its head size, float32 always the FMAs; the switches turn
+    the bf16 paths off one by one."""
+    kernel = attention_kernel()
+    if kernel is None:
+        pytest.skip("the compiled CPU kernel is unavailable here (no C compiler)")
+    amx = cpu_has("amx_bf16") and cpu_has("amx_tile") and d in (32, 64)
+    dot = cpu_has("avx512_bf16") and d % 32 == 0
+    assert kernel.path(torch.float32, d) == "float32"
+    assert kernel.path(torch.bfloat16, d) == ("amx" if amx else "avx512-bf16" if dot else "float32")
+    monkeypatch.setenv("EMBED_CPU_AMX", "0")
+    assert kernel.path(torch.bfloat16, d) == ("avx512-bf16" if dot else "float32")
+    monkeypatch.setenv("EMBED_CPU_BF16_DOT", "0")
+    assert kernel.path(torch.bfloat16, d) == "float32"

@@ -9,7 +9,7 @@ import torch
 
 from embed_service.ops.attention import varlen_attention_reference
 from embed_service.ops.batch import FlatBatch
-from tests.ops.test_attention import PATHS
+from tests.ops.test_attention import BF16_PATHS, PATHS
 
 
 def dense(q, k, v, lengths, causal, window):
@@ -48,12 +48,14 @@ def test_window_matches_dense(varlen_attention, causal, window, lengths):
     torch.testing.assert_close(reference, expected, atol=1e-5, rtol=1e-5)
 
 
+@BF16_PATHS
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("window", [None, 0, 5, 20])
 @pytest.mark.parametrize("d", [32, 64])
 @PATHS
-def test_window_bf16_head_sizes_of_the_tile_path(varlen_attention, causal, window, d):
-    """bf16 at head sizes 32/64 (AMX tiles where present): windows cut inside 16-query and 32-key blocks."""
+def test_window_bf16_head_sizes_of_the_pair_paths(varlen_attention, causal, window, d, bf16_path):
+    """bf16 at head sizes 32/64 (AMX tiles or AVX512-BF16 dot products where present): windows cut inside
+    16- and 8-query and 32-key blocks."""
     torch.manual_seed(d)
     lengths = [1, 40, 17, 33]
     t = sum(lengths)

@@ -5,10 +5,10 @@ Optional by design. Where neither a prebuilt kernel fits nor a compiler builds o
 results are the same to float32 rounding.
 
 Prebuilt (the container image): ``python -m embed_service.ops.cpu_kernels prebuild`` compiles one library
-per instruction-set level (``VARIANTS``: x86-64-v3, x86-64-v4, x86-64-v4 with the AMX tiles) into
-``$EMBED_PREBUILT_KERNELS`` (default: ``prebuilt/`` beside this file) with a manifest of their digests, and
-at run time the best level the CPU's flags allow is loaded from there: no compiler and no writable,
-executable cache needed. x86-64-v4 runs as fast as ``-march=native`` on AVX-512 CPUs.
+per instruction-set level (``VARIANTS``: x86-64-v3, x86-64-v4, x86-64-v4 with AVX512-BF16, x86-64-v4 with the
+AMX tiles) into ``$EMBED_PREBUILT_KERNELS`` (default: ``prebuilt/`` beside this file) with a manifest of their
+digests, and at run time the best level the CPU's flags allow is loaded from there: no compiler and no
+writable, executable cache needed. x86-64-v4 runs as fast as ``-march=native`` on AVX-512 CPUs.
 
 Built on the machine (a checkout or a venv install, when no prebuilt one fits): with the system C compiler
 and ``-march=native``, into ``$EMBED_KERNEL_CACHE`` (default ``~/.cache/embed-service/kernels``), named by
@@ -66,6 +66,11 @@ VARIANTS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
         "x86-64-v4-amx",
         ("-march=x86-64-v4", "-mamx-tile", "-mamx-bf16", "-mavx512bf16", "-mprefer-vector-width=512"),
         (*X86_64_V4, "amx_tile", "amx_bf16", "avx512_bf16"),
+    ),
+    (  # AVX512-BF16 without AMX: AMD Zen 4 and later, Intel Cooper Lake (bf16 attention as dot products)
+        "x86-64-v4-bf16",
+        ("-march=x86-64-v4", "-mavx512bf16", "-mprefer-vector-width=512"),
+        (*X86_64_V4, "avx512_bf16"),
     ),
     ("x86-64-v4", ("-march=x86-64-v4", "-mprefer-vector-width=512"), X86_64_V4),
     ("x86-64-v3", ("-march=x86-64-v3",), X86_64_V3),
@@ -320,6 +325,16 @@ class AttentionKernel:
             available.restype = i32
         self._small_linear = linear
         self._small_linear_available = available
+        self._path = self.lib.attention_path
+        self._path.argtypes = [i32, i32]
+        self._path.restype = i32
+
+    PATHS = {2: "amx", 1: "avx512-bf16", 0: "float32"}
+
+    def path(self, dtype: torch.dtype, head_size: int) -> str:
+        """The products' path for this dtype and head size: "amx" (tiles), "avx512-bf16" (vdpbf16ps) or
+        "float32" (FMAs; every float32 call, and bf16 where neither runs)."""
+        return self.PATHS[self._path(int(dtype == torch.bfloat16), head_size)]
 
     def small_linear_available(self) -> bool:
         """Whether `small_linear` runs here: built with AMX, the tiles permitted, EMBED_CPU_AMX not 0."""

@@ -15,18 +15,25 @@
  * `window` positions away (before it only, when causal).
  *
  * On CPUs with AMX (bfloat16, head sizes 32 and 64) both products run on the tile unit instead; see
- * attend_one_amx.
+ * attend_one_amx. On CPUs with AVX512-BF16 and no AMX (AMD Zen 4 and later, Intel Cooper Lake), bfloat16
+ * at head sizes that are multiples of 32 runs both products as bf16 pair products (vdpbf16ps); see
+ * attend_one_dot.
  *
  * Built by embed_service.ops.cpu_kernels with the system C compiler; nothing here is required: without a
  * compiler the server falls back to torch.
  */
 #include <math.h>
 #include <stdint.h>
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__) && \
+    defined(__linux__)
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #define HAVE_AMX 1
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_BF16_DOT 1
 #endif
 #include <stdlib.h>
 #include <string.h>
@@ -210,12 +217,140 @@ static inline __attribute__((always_inline)) void attend_one(int D, int Dp, int 
     }
 }
 
+#if defined(HAVE_AMX) || defined(HAVE_BF16_DOT)
+/* r[i]: row i of a 16 x 16 matrix of 32-bit values; afterwards r[i] is its column i. */
+static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+/* The bfloat16 pair paths (AMX tiles, AVX512-BF16 dot products): both multiply pairs of bf16 values into
+ * float32 sums, so both stage keys as pairs over the head dimension, kp[d/2][j] (zeros from L up to lp),
+ * and values as pairs over keys, vp[j/2][d] (a zero partner past L). Softmax in float32, weights rounded to
+ * bf16 as torch's own bf16 attention does (their sum, the normalizer, stays float32). */
+static inline __attribute__((always_inline)) void stage_pairs(int D, int L, int lp, const char *k, int64_t kts,
+                                                              const char *v, int64_t vt, uint32_t *kp,
+                                                              uint32_t *vp) {
+    /* Keys 16 at a time, 16 pairs (32 head dimensions) at a time, through a 16 x 16 transpose; D % 32 == 0. */
+    for (int j0 = 0; j0 < lp; j0 += 16) {
+        for (int c = 0; c < D / 2; c += 16) {
+            __m512i r[16];
+            for (int u = 0; u < 16; u++)
+                r[u] = j0 + u < L ? _mm512_loadu_si512((const uint32_t *)(k + (int64_t)(j0 + u) * kts * 2) + c)
+                                  : _mm512_setzero_si512();
+            transpose16(r);
+            for (int u = 0; u < 16; u++) _mm512_storeu_si512(kp + (int64_t)(c + u) * lp + j0, r[u]);
+        }
+    }
+    for (int j = 0; j < lp; j += 2) {
+        uint32_t *dst = vp + (int64_t)(j / 2) * D;
+        if (j + 1 < L) {
+            const uint16_t *r0 = (const uint16_t *)(v + (int64_t)j * vt * 2);
+            const uint16_t *r1 = (const uint16_t *)(v + (int64_t)(j + 1) * vt * 2);
+            for (int d = 0; d < D; d++) dst[d] = r0[d] | ((uint32_t)r1[d] << 16);
+        } else if (j < L) {
+            const uint16_t *r0 = (const uint16_t *)(v + (int64_t)j * vt * 2);
+            for (int d = 0; d < D; d++) dst[d] = r0[d];
+        } else {
+            for (int d = 0; d < D; d++) dst[d] = 0;
+        }
+    }
+}
+
+/* R query rows from i0 (nq of them real, the rest zero) into qbuf (R x D bf16), with each one's key range
+ * [lo, hi) and their union [*glo, *ghi). */
+static inline __attribute__((always_inline)) void gather_queries(int R, int D, int L, int i0, int nq, const char *q,
+                                                                 int64_t qt, int causal, int window, uint16_t *qbuf,
+                                                                 int *lo, int *hi, int *glo, int *ghi) {
+    for (int r = 0; r < R; r++) {
+        if (r < nq) {
+            const int i = i0 + r;
+            key_range(i, L, causal, window, &lo[r], &hi[r], glo, ghi);
+            memcpy(qbuf + r * D, q + (int64_t)i * qt * 2, (size_t)D * 2);
+        } else {
+            memset(qbuf + r * D, 0, (size_t)D * 2);
+        }
+    }
+}
+
+/* e^x, 16 at a time, for x <= 0 (the softmax's shifted scores): x = n ln 2 + f with |f| <= ln 2 / 2, e^f by
+ * its Taylor polynomial to f^5 (relative error under 3e-6 there, far below the bf16 rounding of the
+ * weights), times 2^n (vscalefps). Below -87.3 the result is clamped to e^-87.3 ~ 1e-38, nothing next to
+ * the row's largest weight, 1. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x); /* ln 2 in two parts: exact n * hi */
+    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
+    __m512 p = _mm512_set1_ps(1.f / 120);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __mmask16 first(int n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+
+/* Rows of scores s (R x lp, keys [jlo, jhi)) to bf16 weights pp (zero outside each row's [lo, hi), whole
+ * rows of zeros from nq on) and each real row's 1 / sum in inv; `scale` applied inside the exponent. */
+static inline __attribute__((always_inline)) void softmax_pairs(int R, int nq, const int *lo, const int *hi, int jlo,
+                                                                int jhi, const float *s, int lp, float scale,
+                                                                uint16_t *pp, float *inv) {
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int r = 0; r < R; r++) {
+        uint16_t *pr = pp + (int64_t)r * lp;
+        if (r >= nq) {
+            memset(pr + jlo, 0, (size_t)(jhi - jlo) * 2);
+            continue;
+        }
+        const float *sr = s + (int64_t)r * lp;
+        __m512 mv = _mm512_set1_ps(-INFINITY);
+        for (int j = lo[r]; j < hi[r]; j += 16)
+            mv = _mm512_mask_max_ps(mv, first(hi[r] - j), mv, _mm512_loadu_ps(sr + j));
+        const __m512 msc = _mm512_set1_ps(_mm512_reduce_max_ps(mv) * scale);
+        __m512 sum = _mm512_setzero_ps();
+        for (int j = lo[r]; j < hi[r]; j += 16) {
+            const __mmask16 k = first(hi[r] - j);
+            const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), sc, msc)));
+            sum = _mm512_add_ps(sum, e);
+            /* rounded to nearest even (vcvtneps2bf16), as float_to_bf16 */
+            _mm256_mask_storeu_epi16(pr + j, k, (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        inv[r] = 1.f / _mm512_reduce_add_ps(sum);
+        for (int j = jlo; j < lo[r]; j++) pr[j] = 0;
+        for (int j = hi[r]; j < jhi; j++) pr[j] = 0;
+    }
+}
+#endif
+
 #ifdef HAVE_AMX
 /* bfloat16 at head sizes 32 and 64 on CPUs with AMX: both products run on the tile unit, 16 queries at a
  * time. Scores: Q (16 x 32 bf16) x K^T (keys staged as pairs over the head dimension, kp[d/2][j]) into a
- * 16 x 16 float32 tile per 16 keys. Softmax in float32 with AVX-512 (written by the compiler), weights
- * rounded to bf16 as torch's own bf16 attention does (their sum, the normalizer, stays float32). Values:
- * P (16 x 32 keys bf16) x V (staged as pairs over keys, vp[j/2][d]) into 16 x 16 float32 tiles. */
+ * 16 x 16 float32 tile per 16 keys. Softmax (softmax_pairs) in float32 with AVX-512 (written by the
+ * compiler). Values: P (16 x 32 keys bf16) x V (staged as pairs over keys, vp[j/2][d]) into 16 x 16 float32
+ * tiles. */
 typedef struct {
     uint8_t palette_id, start_row, reserved[14];
     uint16_t colsb[16];
@@ -252,39 +387,12 @@ static inline __attribute__((always_inline)) void attend_one_amx(int D, int L, c
                                                                  uint32_t *vp, float *s, uint16_t *pp,
                                                                  uint16_t *qbuf, float *o) {
     const int lp = (L + 2 * KB - 1) / (2 * KB) * (2 * KB);
-    const int dh = D / 2;
-    for (int j = 0; j < L; j++) {
-        const uint32_t *row = (const uint32_t *)(k + (int64_t)j * kts * 2);
-        for (int d = 0; d < dh; d++) kp[(int64_t)d * lp + j] = row[d];
-    }
-    for (int d = 0; d < dh; d++)
-        for (int j = L; j < lp; j++) kp[(int64_t)d * lp + j] = 0;
-    for (int j = 0; j < lp; j += 2) {
-        uint32_t *dst = vp + (int64_t)(j / 2) * D;
-        if (j + 1 < L) {
-            const uint16_t *r0 = (const uint16_t *)(v + (int64_t)j * vt * 2);
-            const uint16_t *r1 = (const uint16_t *)(v + (int64_t)(j + 1) * vt * 2);
-            for (int d = 0; d < D; d++) dst[d] = r0[d] | ((uint32_t)r1[d] << 16);
-        } else if (j < L) {
-            const uint16_t *r0 = (const uint16_t *)(v + (int64_t)j * vt * 2);
-            for (int d = 0; d < D; d++) dst[d] = r0[d];
-        } else {
-            for (int d = 0; d < D; d++) dst[d] = 0;
-        }
-    }
+    stage_pairs(D, L, lp, k, kts, v, vt, kp, vp);
     for (int i0 = 0; i0 < L; i0 += 16) {
         const int nq = L - i0 < 16 ? L - i0 : 16;
         int lo[16], hi[16];
         int glo = L, ghi = 0;
-        for (int r = 0; r < 16; r++) {
-            if (r < nq) {
-                const int i = i0 + r;
-                key_range(i, L, causal, window, &lo[r], &hi[r], &glo, &ghi);
-                memcpy(qbuf + r * D, q + (int64_t)i * qt * 2, (size_t)D * 2);
-            } else {
-                memset(qbuf + r * D, 0, (size_t)D * 2);
-            }
-        }
+        gather_queries(16, D, L, i0, nq, q, qt, causal, window, qbuf, lo, hi, &glo, &ghi);
         const int jlo = glo / (2 * KB) * (2 * KB), jhi = (ghi + 2 * KB - 1) / (2 * KB) * (2 * KB);
         for (int jb = jlo; jb < jhi; jb += KB) {
             _tile_zero(0);
@@ -299,23 +407,7 @@ static inline __attribute__((always_inline)) void attend_one_amx(int D, int L, c
             _tile_stored(0, s + jb, lp * 4);
         }
         float inv[16];
-        for (int r = 0; r < 16; r++) {
-            uint16_t *pr = pp + (int64_t)r * lp;
-            if (r >= nq) {
-                memset(pr + jlo, 0, (size_t)(jhi - jlo) * 2);
-                continue;
-            }
-            float *sr = s + (int64_t)r * lp;
-            float m = sr[lo[r]];
-            for (int j = lo[r] + 1; j < hi[r]; j++) m = sr[j] > m ? sr[j] : m;
-            for (int j = lo[r]; j < hi[r]; j++) sr[j] = expf((sr[j] - m) * scale);
-            float sum = 0.f;
-            for (int j = lo[r]; j < hi[r]; j++) sum += sr[j];
-            inv[r] = 1.f / sum;
-            for (int j = jlo; j < lo[r]; j++) pr[j] = 0;
-            for (int j = lo[r]; j < hi[r]; j++) pr[j] = float_to_bf16(sr[j]);
-            for (int j = hi[r]; j < jhi; j++) pr[j] = 0;
-        }
+        softmax_pairs(16, nq, lo, hi, jlo, jhi, s, lp, scale, pp, inv);
         _tile_zero(4);
         _tile_zero(5);
         if (D == 64) {
@@ -347,6 +439,121 @@ static inline __attribute__((always_inline)) void attend_one_amx(int D, int L, c
 }
 #endif
 
+#ifdef HAVE_BF16_DOT
+/* bfloat16 at head sizes that are multiples of 32 on CPUs with AVX512-BF16: the same staging, weights and
+ * rounding as the tile path, with both products as vdpbf16ps (16 float32 sums of bf16 pairs per
+ * instruction, twice the multiply-adds of a float32 FMA): R <= QB queries at a time, each a 32-bit pair of
+ * its elements broadcast against 32 keys (scores, 2 R accumulators) or 32 output columns (values). */
+typedef __m512bh bf16x32;
+
+static inline bf16x32 pairs_at(const uint32_t *p) { return (bf16x32)_mm512_loadu_si512(p); }
+static inline bf16x32 pair_splat(uint32_t x) { return (bf16x32)_mm512_set1_epi32((int)x); }
+
+/* s[r][jb .. jb + 16 NB) = sum_d q[r][d] k[jb + u][d], unscaled; NB (1 or 2) blocks of 16 keys. */
+static inline __attribute__((always_inline)) void scores_dot(int R, int NB, int D, const uint16_t *qbuf,
+                                                             const uint32_t *kp, int lp, int jb, float *s) {
+    const uint32_t *q32 = (const uint32_t *)qbuf;
+    __m512 a[2][QB];
+    for (int b = 0; b < NB; b++)
+        for (int r = 0; r < R; r++) a[b][r] = _mm512_setzero_ps();
+    for (int d = 0; d < D / 2; d++) {
+        bf16x32 kk[2];
+        for (int b = 0; b < NB; b++) kk[b] = pairs_at(kp + (int64_t)d * lp + jb + b * KB);
+        for (int r = 0; r < R; r++) {
+            const bf16x32 qq = pair_splat(q32[r * (D / 2) + d]);
+            for (int b = 0; b < NB; b++) a[b][r] = _mm512_dpbf16_ps(a[b][r], kk[b], qq);
+        }
+    }
+    for (int b = 0; b < NB; b++)
+        for (int r = 0; r < R; r++) _mm512_storeu_ps(s + (int64_t)r * lp + jb + b * KB, a[b][r]);
+}
+
+/* o[r][c] = sum_j p[r][j] v[j][c] over keys [jlo, jhi) (even bounds), unnormalized. */
+static inline __attribute__((always_inline)) void values_dot(int R, int D, const uint16_t *pp, int lp,
+                                                             const uint32_t *vp, int jlo, int jhi, float *o) {
+    for (int c = 0; c < D; c += 2 * KB) {
+        __m512 a0[QB], a1[QB];
+        for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+        for (int j = jlo; j < jhi; j += 2) {
+            const uint32_t *vrow = vp + (int64_t)(j / 2) * D + c;
+            const bf16x32 v0 = pairs_at(vrow), v1 = pairs_at(vrow + KB);
+            for (int r = 0; r < R; r++) {
+                uint32_t w;
+                memcpy(&w, pp + (int64_t)r * lp + j, 4);
+                const bf16x32 ww = pair_splat(w);
+                a0[r] = _mm512_dpbf16_ps(a0[r], v0, ww);
+                a1[r] = _mm512_dpbf16_ps(a1[r], v1, ww);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            _mm512_storeu_ps(o + r * D + c, a0[r]);
+            _mm512_storeu_ps(o + r * D + c + KB, a1[r]);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void query_block_dot(int R, int D, int L, int i0, int nq, const char *q,
+                                                                  int64_t qt, char *out, int64_t ot, float scale,
+                                                                  int causal, int window, const uint32_t *kp,
+                                                                  const uint32_t *vp, int lp, float *s, uint16_t *pp,
+                                                                  uint16_t *qbuf, float *o) {
+    int lo[QB], hi[QB];
+    int glo = L, ghi = 0;
+    gather_queries(R, D, L, i0, nq, q, qt, causal, window, qbuf, lo, hi, &glo, &ghi);
+    /* Scores over 32 keys at a time from a multiple of 32, the last 16 alone where the keys end there; the
+     * weights to an even end (a short sequence's padding is neither scored nor weighed). */
+    const int jlo = glo / (2 * KB) * (2 * KB), jend = (ghi + 1) / 2 * 2;
+    for (int jb = jlo; jb < ghi; jb += 2 * KB) {
+        if (jb + KB < ghi)
+            scores_dot(R, 2, D, qbuf, kp, lp, jb, s);
+        else
+            scores_dot(R, 1, D, qbuf, kp, lp, jb, s);
+    }
+    float inv[QB];
+    softmax_pairs(R, nq, lo, hi, jlo, jend, s, lp, scale, pp, inv);
+    values_dot(R, D, pp, lp, vp, jlo, jend, o);
+    for (int r = 0; r < nq; r++) store_row(out + (int64_t)(i0 + r) * ot * 2, o + r * D, inv[r], D, 1);
+}
+
+static inline __attribute__((always_inline)) void attend_one_dot(int D, int L, const char *q, int64_t qt,
+                                                                 const char *k, int64_t kts, const char *v,
+                                                                 int64_t vt, char *out, int64_t ot, float scale,
+                                                                 int causal, int window, uint32_t *kp,
+                                                                 uint32_t *vp, float *s, uint16_t *pp,
+                                                                 uint16_t *qbuf, float *o) {
+    const int lp = (L + 2 * KB - 1) / (2 * KB) * (2 * KB);
+    stage_pairs(D, L, lp, k, kts, v, vt, kp, vp);
+    for (int i0 = 0; i0 < L; i0 += QB) {
+        const int nq = L - i0 < QB ? L - i0 : QB;
+        /* A short last block (short sequences end in one) in half the rows: less work thrown away. */
+        if (nq <= QB / 2)
+            query_block_dot(QB / 2, D, L, i0, nq, q, qt, out, ot, scale, causal, window, kp, vp, lp, s, pp, qbuf, o);
+        else
+            query_block_dot(QB, D, L, i0, nq, q, qt, out, ot, scale, causal, window, kp, vp, lp, s, pp, qbuf, o);
+    }
+}
+
+/* EMBED_CPU_BF16_DOT=0 keeps the float32 path (tests compare both; read per call, it is one getenv). */
+static int bf16_dot_disabled(void) {
+    const char *flag = getenv("EMBED_CPU_BF16_DOT");
+    return flag != NULL && flag[0] == '0';
+}
+#endif
+
+/* Which path a call with this dtype and head size takes: 2 the AMX tiles, 1 the AVX512-BF16 dot products,
+ * 0 float32 FMAs. */
+int attention_path(int bf16, int D) {
+#ifdef HAVE_AMX
+    if (bf16 && (D == 32 || D == 64) && amx_permitted() && !amx_disabled()) return 2;
+#endif
+#ifdef HAVE_BF16_DOT
+    if (bf16 && D % 32 == 0 && D <= 256 && !bf16_dot_disabled()) return 1;
+#endif
+    (void)bf16;
+    (void)D;
+    return 0;
+}
+
 /* Returns 0, or -1 when scratch memory could not be had. */
 int varlen_attention(const void *q, const void *k, const void *v, void *out, int bf16, const int32_t *cu_seqlens,
                      int num_seqs, int max_len, int hq, int hkv, int D, int64_t q_t, int64_t q_h, int64_t k_t,
@@ -357,10 +564,10 @@ int varlen_attention(const void *q, const void *k, const void *v, void *out, int
     const int lp = (max_len + 2 * KB - 1) / (2 * KB) * (2 * KB);
     const size_t esz = bf16 ? 2 : 4;
     const int dp = (D + KB - 1) / KB * KB;
-    int use_amx = 0;
-#ifdef HAVE_AMX
-    use_amx = bf16 && (D == 32 || D == 64) && amx_permitted() && !amx_disabled();
-#endif
+    const int path = attention_path(bf16, D);
+    const int use_amx = path == 2, use_dot = path == 1;
+    (void)use_amx;
+    (void)use_dot; /* each used only where the CPU has its instructions */
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -394,6 +601,14 @@ int varlen_attention(const void *q, const void *k, const void *v, void *out, int
                 else if (use_amx && D == 64) ATTEND_AMX(64);
                 else
 #undef ATTEND_AMX
+#endif
+#ifdef HAVE_BF16_DOT
+#define ATTEND_DOT(DD) attend_one_dot(DD, L, qb, q_t, kb, k_t, vb, v_t, ob, o_t, scale, causal, window, (uint32_t *)kt, (uint32_t *)vf, s, (uint16_t *)pp, (uint16_t *)qbuf, o)
+                if (use_dot && D == 32) ATTEND_DOT(32);
+                else if (use_dot && D == 64) ATTEND_DOT(64);
+                else if (use_dot) ATTEND_DOT(D);
+                else
+#undef ATTEND_DOT
 #endif
                 if (D == 32 && bf16) ATTEND(32, 1);
                 else if (D == 32) ATTEND(32, 0);
