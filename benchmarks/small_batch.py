@@ -145,7 +145,8 @@ def main() -> None:
             }
             for m in ROWS
         },
-        "small_kernel": linear._small_kernel() is not None,
+        "small_kernel": linear.small_rows() > 0,
+        "small_kernel_rows": linear.small_rows(),
         "forward_14_tokens_ms": {
             "back_to_back": med["forward_ms"],
             "after_20ms_asleep": med["forward_after_sleep_ms"],
@@ -155,8 +156,10 @@ def main() -> None:
         "rounds": rounds,
     }
     print(f"{len(shapes)} linear layers, bf16 weights {weight_bytes['bf16'] / 1e6:.1f} MB, 1 thread")
+    rows = figures["small_kernel_rows"]
     print(
-        f"the AMX kernel for short sequences: {'yes' if figures['small_kernel'] else 'no (oneDNN at every row count)'}"
+        "the project's linear for short sequences: "
+        + (f"up to {rows} rows" if rows else "no (oneDNN at every row count)")
     )
     print(f"stream a tensor of that size: {figures['stream']['GB_per_s']:.1f} GB/s")
     for m in ROWS:

@@ -1,6 +1,8 @@
-"""The AMX linear for short sequences (layers.linear.small_linear, csrc `small_linear`): what the layers
-return at 1 to 16 rows on a CPU with AMX tiles, against a float32 matmul of the same bf16 values, and where
-it steps aside for oneDNN (more rows, batch invariance, shapes it does not take)."""
+"""The project's linear for short sequences (layers.linear.small_linear, csrc `small_linear`): on the AMX tiles
+(1 to 16 rows) or as AVX512-BF16 dot products (1 to 256 rows), what the layers return against a float32
+matmul of the same bf16 values, and where it steps aside for oneDNN (more rows, batch invariance, shapes it
+does not take). Each path the CPU has is tested: the fastest (the tiles where present), and the dot
+products with the tiles off (EMBED_CPU_AMX=0)."""
 
 from __future__ import annotations
 
@@ -10,13 +12,28 @@ import torch.nn.functional as F
 
 from embed_service.layers import linear
 from embed_service.layers.activation import linear_act
-from embed_service.ops import invariance
+from embed_service.ops import cpu_kernels, invariance
 
-pytestmark = pytest.mark.skipif(
-    linear._small_kernel() is None,
-    reason="the AMX linear runs only on a CPU with AMX tiles (amx_bf16) where the project's kernel loads; "
-    "this one has none, so the layers keep oneDNN at every row count",
-)
+FLAGS = cpu_kernels.cpu_flags()
+PATH_ENV = {"fastest": {}, "dot": {"EMBED_CPU_AMX": "0"}}
+
+
+@pytest.fixture(params=list(PATH_ENV), autouse=True)
+def path(request, monkeypatch):
+    """Each test on each path: the kernel's choice is made once per process, so it is made again here."""
+    if request.param == "dot" and not ("avx512_bf16" in FLAGS and {"amx_bf16", "amx_tile"} <= FLAGS):
+        pytest.skip("the dot products with the tiles off: only where the CPU has both (else 'fastest' is it)")
+    for name, value in PATH_ENV[request.param].items():
+        monkeypatch.setenv(name, value)
+    linear._small_kernel.cache_clear()
+    if linear._small_kernel()[0] is None:
+        pytest.skip(
+            "the project's linear runs only on a CPU with AMX tiles or AVX512-BF16 where its kernel loads; "
+            "this one has neither, so the layers keep oneDNN at every row count"
+        )
+    yield request.param
+    linear._small_kernel.cache_clear()
+
 
 SHAPES = [(1152, 384), (384, 384), (1536, 384), (384, 1536), (16, 32)]
 
@@ -37,9 +54,11 @@ def assert_bf16_close(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert bool(((out.float() - ref).abs() <= tol).all()), float((out.float() - ref).abs().max())
 
 
-@pytest.mark.parametrize("rows", [1, 5, 14, 16])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 14, 16, 17, 100, 256])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_dense_at_few_rows_takes_the_kernel_and_matches_float32(rows, shape):
+    if rows > linear.small_rows():
+        pytest.skip(f"{rows} rows: past this path's {linear.small_rows()} (test_more_rows_keep_onednn)")
     x, w, b, ref = bf16_case(rows, *shape)
     direct = linear.small_linear(x, w, b, gelu=False)
     assert direct is not None  # the kernel took it
@@ -54,8 +73,10 @@ def test_no_bias():
     assert_bf16_close(out, ref)
 
 
-@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("rows", [1, 16, 40])
 def test_gelu_matches_float32_gelu(rows):
+    if rows > linear.small_rows():
+        pytest.skip(f"{rows} rows: past this path's {linear.small_rows()}")
     x, w, b, ref = bf16_case(rows, 1536, 384, seed=1)
     ref_gelu = F.gelu(ref)  # exact (erf)
     out = linear_act(x, w, b, "gelu")
@@ -67,7 +88,7 @@ def test_gelu_matches_float32_gelu(rows):
 
 
 def test_more_rows_keep_onednn():
-    x, w, b, ref = bf16_case(linear.SMALL_ROWS + 1, 384, 384)
+    x, w, b, ref = bf16_case(linear.small_rows() + 1, 384, 384)
     assert linear.small_linear(x, w, b, gelu=False) is None
     expected = torch.ops.mkldnn._linear_pointwise(x, linear.packed_weight(w), b, "none", [], "")
     assert torch.equal(linear.dense(x, w, b), expected)
@@ -98,3 +119,17 @@ def test_weight_written_in_place_is_packed_again():
     again = linear.small_linear(x, w, b, gelu=False)
     assert again is not None and first is not None
     assert_bf16_close(again, x.float() @ w.float().T + b.float())
+
+
+def test_the_rows_each_path_takes(path):
+    """16 on the tiles (where the CPU has AMX, unless EMBED_CPU_AMX=0), else 256 as dot products."""
+    tiles = {"amx_bf16", "amx_tile"} <= FLAGS and path == "fastest"
+    assert linear.small_rows() == (16 if tiles else 256)
+
+
+def test_a_cap_of_zero_keeps_onednn(monkeypatch):
+    monkeypatch.setattr(linear, "SMALL_ROWS", 0)
+    x, w, b, _ = bf16_case(3, 384, 384)
+    assert linear.small_linear(x, w, b, gelu=False) is None
+    expected = torch.ops.mkldnn._linear_pointwise(x, linear.packed_weight(w), b, "none", [], "")
+    assert torch.equal(linear.dense(x, w, b), expected)

@@ -83,7 +83,7 @@ def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def _linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out = small_linear(x, weight, bias, gelu=True)  # a short sequence on AMX
+    out = small_linear(x, weight, bias, gelu=True)  # a short sequence (AMX tiles or AVX512-BF16)
     if out is not None:
         return out
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight(weight), bias, "gelu", [], "none")

@@ -57,33 +57,43 @@ def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return F.linear(x, weight, bias)
 
 
-# The most rows `small_linear` takes: one tile of the AMX unit, a short query's tokens.
-SMALL_ROWS = 16
+# A cap on the rows `small_linear` takes, below the kernel's own limit (small_linear_rows: 16 on the AMX
+# tiles, 256 as AVX512-BF16 dot products); None: no cap, 0: never (benchmarks compare with oneDNN alone).
+SMALL_ROWS: int | None = None
 
 
 @functools.cache
-def _small_kernel() -> AttentionKernel | None:
-    """The project's compiled kernel where its AMX linear runs here (decided once per process)."""
+def _small_kernel() -> tuple[AttentionKernel | None, int]:
+    """The project's compiled kernel and the most rows its small linear takes here, where it runs (decided
+    once per process)."""
     kernel = attention_kernel()
-    return kernel if kernel is not None and kernel.small_linear_available() else None
+    rows = kernel.small_linear_rows() if kernel is not None else 0
+    return (kernel, rows) if rows > 0 else (None, 0)
+
+
+def small_rows() -> int:
+    """The most rows a bf16 linear layer runs through `small_linear` in this process (0: none)."""
+    rows = _small_kernel()[1]
+    return rows if SMALL_ROWS is None else min(rows, SMALL_ROWS)
 
 
 def small_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool
 ) -> torch.Tensor | None:
-    """x @ weight.T + bias for 1 to SMALL_ROWS rows of bf16 on a CPU with AMX, through the project's kernel
-    (ops/csrc: `small_linear`), with exact GELU on the float32 sum when `gelu` (as oneDNN's post-op); None where it
-    does not apply (more rows, no AMX, batch invariance on, a shape it does not take), and the caller's
-    oneDNN path runs.
+    """x @ weight.T + bias for 1 to small_rows() rows of bf16, through the project's kernel (ops/csrc:
+    `small_linear`: on the AMX tiles, else as AVX512-BF16 dot products), with exact GELU on the float32 sum
+    when `gelu` (as oneDNN's post-op); None where it does not apply (more rows, neither instruction set,
+    batch invariance on, a shape it does not take), and the caller's oneDNN path runs.
 
     oneDNN's matmul at these rows reads its packed weights at a quarter to a half of what one thread can
     read, and a short sequence's forward is that read (docs/performance.md, "Small batches"); the kernel
-    loads each weight tile once per call. Accumulation is float32 in both, so results agree to bf16
-    rounding, not bit for bit: with batch invariance on (ops/invariance.py) every row count keeps oneDNN.
+    loads each weight once per call (per 16 rows on the dot path). Accumulation is float32 in both, so
+    results agree to bf16 rounding, not bit for bit: with batch invariance on (ops/invariance.py) every row
+    count keeps oneDNN.
     """
-    if x.shape[0] > SMALL_ROWS or invariance.enabled() or not x.is_contiguous():
+    if x.shape[0] > small_rows() or invariance.enabled() or not x.is_contiguous():
         return None
-    kernel = _small_kernel()
+    kernel = _small_kernel()[0]
     if kernel is None:
         return None
     n, k = weight.shape

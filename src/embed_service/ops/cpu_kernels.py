@@ -299,7 +299,8 @@ def _kernel_fd(compiler: str) -> tuple[int, Path]:
 
 
 def pack_small_linear(weight: torch.Tensor) -> torch.Tensor:
-    """A (N, K) bf16 weight in `small_linear`'s layout: [N/16][K/32][16 input pairs][16 columns][2]."""
+    """A (N, K) bf16 weight in `small_linear`'s layout: [N/16][K/32][16 input pairs][16 columns][2] (the
+    tiles' layout; read as 32-bit pairs, [N/16][K/2][16], the dot products')."""
     n, k = weight.shape
     return weight.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
@@ -317,14 +318,11 @@ class AttentionKernel:
         fn.argtypes += [i64] * 8 + [ctypes.c_float, i32, i32, i32]
         fn.restype = i32
         self.fn = fn
-        linear = getattr(self.lib, "small_linear", None)
-        available = getattr(self.lib, "small_linear_available", None)
-        if linear is not None and available is not None:
-            linear.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32]
-            linear.restype = i32
-            available.restype = i32
+        linear = self.lib.small_linear
+        linear.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32]
+        linear.restype = i32
+        self.lib.small_linear_rows.restype = i32
         self._small_linear = linear
-        self._small_linear_available = available
         self._path = self.lib.attention_path
         self._path.argtypes = [i32, i32]
         self._path.restype = i32
@@ -336,18 +334,20 @@ class AttentionKernel:
         "float32" (FMAs; every float32 call, and bf16 where neither runs)."""
         return self.PATHS[self._path(int(dtype == torch.bfloat16), head_size)]
 
-    def small_linear_available(self) -> bool:
-        """Whether `small_linear` runs here: built with AMX, the tiles permitted, EMBED_CPU_AMX not 0."""
-        return self._small_linear_available is not None and bool(self._small_linear_available())
+    def small_linear_rows(self) -> int:
+        """The most rows `small_linear` takes here: 16 on the AMX tiles (built with AMX, the tiles permitted,
+        EMBED_CPU_AMX not 0), else 256 as AVX512-BF16 dot products (built with them, EMBED_CPU_BF16_DOT not
+        0), else 0: it does not run."""
+        return int(self.lib.small_linear_rows())
 
     def small_linear(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, gelu: bool
     ) -> torch.Tensor | None:
-        """x (M <= 16, K) bf16 contiguous @ W.T + bias, then exact GELU with `gelu`, on the tile unit, W packed
-        by `pack_small_linear`; bf16 out. None where the kernel declines (then the caller's path runs)."""
+        """x (M <= small_linear_rows(), K) bf16 contiguous @ W.T + bias, then exact GELU with `gelu`, on the
+        tile unit or as dot products, W packed by `pack_small_linear`; bf16 out. None where the kernel declines
+        (then the caller's path runs)."""
         rows, k = x.shape
         out = torch.empty(rows, out_features, dtype=torch.bfloat16)
-        assert self._small_linear is not None
         rc = self._small_linear(
             x.data_ptr(),
             packed.data_ptr(),

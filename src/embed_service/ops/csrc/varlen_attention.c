@@ -628,23 +628,32 @@ int varlen_attention(const void *q, const void *k, const void *v, void *out, int
     return failed ? -1 : 0;
 }
 
-/* A bfloat16 linear layer at 1 to 16 rows (one short sequence's tokens) on the tile unit:
+/* A bfloat16 linear layer at few rows (a short sequence's tokens, a batch of short queries), on the tile unit
+ * where the CPU has AMX (1 to 16 rows), else as AVX512-BF16 dot products where it has those (1 to 256):
  * out (M, N) = x (M, K) @ W^T + bias, x row-major with row stride K, W packed as wp[N/16][K/32][16][16][2]
  * (for 16 output columns and 32 inputs: 16 pairs of inputs, each pair's two weights side by side per column,
- * the layout the tile unit multiplies). oneDNN's AMX matmul at these rows reads its packed weights at a
- * quarter to a half of what one thread can read (docs/performance.md, "Small batches"); here each 1 KB
- * weight tile is loaded once per call and multiplied into four 16 x 16 float32 accumulators at a time.
+ * the layout the tile unit multiplies; read as 32-bit pairs, wp[N/16][K/2][16], the layout vdpbf16ps
+ * multiplies too). oneDNN's matmul at these rows reads its packed weights at a quarter to a half of what one
+ * thread can read (docs/performance.md, "Small batches"); here each weight is loaded once per call (per 6
+ * rows on the dot path, from the core's cache after the first), into four blocks of 16 columns at a time.
  * Accumulation in float32 in the order of K; bias added in float32; with `gelu`, exact (erf) GELU on the
  * float32 sum (erf to ~1e-7, Abramowitz and Stegun 7.1.26, as oneDNN's gelu_erf post-op); out bfloat16,
- * rounded to nearest even. Returns 0, or -2 where the
- * tile unit cannot be used (not built with AMX, not permitted, EMBED_CPU_AMX=0, or a shape it does not
- * take: M > 16, N % 16, K % 32). */
-int small_linear_available(void) {
+ * rounded to nearest even. Returns 0, or -2 where neither can be used (not built with them, AMX not
+ * permitted, EMBED_CPU_AMX=0 and EMBED_CPU_BF16_DOT=0, or a shape it does not take: more rows than
+ * small_linear_rows(), N % 16, K % 32). Where the CPU has AMX the dot products are not used (the tiles'
+ * matmul, oneDNN's past 16 rows, is several times faster). */
+#define SMALL_TILE_ROWS 16 /* one tile: a short query's tokens */
+#define SMALL_DOT_ROWS 256 /* past it oneDNN's matmul is as fast (docs/performance.md) */
+
+/* The most rows small_linear takes here: 16 on the tile unit, 256 as dot products, 0 where neither runs. */
+int small_linear_rows(void) {
 #ifdef HAVE_AMX
-    return amx_permitted() && !amx_disabled();
-#else
-    return 0;
+    if (amx_permitted() && !amx_disabled()) return SMALL_TILE_ROWS;
 #endif
+#ifdef HAVE_BF16_DOT
+    if (!bf16_dot_disabled()) return SMALL_DOT_ROWS;
+#endif
+    return 0;
 }
 
 static inline float gelu_erf(float v) {
@@ -656,10 +665,44 @@ static inline float gelu_erf(float v) {
     return v >= 0.0f ? v * (1.0f - 0.5f * q) : 0.5f * v * q;
 }
 
-int small_linear(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *out, int gelu, int M, int K,
-                 int N, int num_threads) {
+#if defined(HAVE_AMX) || defined(HAVE_BF16_DOT)
+/* gelu_erf, 16 at a time (the same approximation; its e^-z^2 by exp16). */
+static inline __m512 gelu16(__m512 v) {
+    const __m512 z = _mm512_mul_ps(_mm512_abs_ps(v), _mm512_set1_ps(0.70710678118654752f));
+    const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(z, _mm512_set1_ps(0.3275911f), _mm512_set1_ps(1.0f)));
+    __m512 poly = _mm512_set1_ps(1.061405429f);
+    poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(-1.453152027f));
+    poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(1.421413741f));
+    poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(-0.284496736f));
+    poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(0.254829592f));
+    poly = _mm512_mul_ps(poly, t);
+    const __m512 q = _mm512_mul_ps(poly, exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), z), z)));
+    const __m512 half_vq = _mm512_mul_ps(_mm512_mul_ps(v, q), _mm512_set1_ps(0.5f));
+    const __mmask16 positive = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ);
+    return _mm512_mask_sub_ps(half_vq, positive, v, half_vq); /* v (1 - q / 2) where v >= 0, v q / 2 elsewhere */
+}
+
+/* The float32 sums c[j][r * 16 + i] of column blocks n0 .. n0 + cnt, rows 0 .. M: bias, GELU with `gelu`,
+ * rounded to bf16 (nearest even) into out (row stride N). */
+static void finish_rows(float c[4][256], int cnt, int n0, int M, const uint16_t *bias, int gelu, uint16_t *out,
+                        int N) {
+    for (int j = 0; j < cnt; j++) {
+        const int col = (n0 + j) * 16;
+        const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + col))), 16))
+                              : _mm512_setzero_ps();
+        for (int r = 0; r < M; r++) {
+            __m512 v = _mm512_add_ps(_mm512_load_ps(c[j] + r * 16), b);
+            if (gelu) v = gelu16(v);
+            _mm256_storeu_si256((__m256i *)(out + (int64_t)r * N + col), (__m256i)_mm512_cvtneps_pbh(v));
+        }
+    }
+}
+#endif
+
 #ifdef HAVE_AMX
-    if (M < 1 || M > 16 || N % 16 || K % 32 || !small_linear_available()) return -2;
+static void small_linear_amx(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *out, int gelu,
+                             int M, int K, int N, int num_threads) {
     const int nb = N / 16, kb = K / 32;
     const int64_t step = (int64_t)kb * 512; /* elements between two column blocks' weights */
 #pragma omp parallel num_threads(num_threads)
@@ -706,47 +749,81 @@ int small_linear(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, ui
             if (cnt > 1) _tile_stored(1, c[1], 64);
             if (cnt > 2) _tile_stored(2, c[2], 64);
             if (cnt > 3) _tile_stored(3, c[3], 64);
-            for (int j = 0; j < cnt; j++) {
-                const int col = (n0 + j) * 16;
-                float b[16];
-                for (int i = 0; i < 16; i++) b[i] = bias ? bf16_to_float(bias[col + i]) : 0.0f;
-                for (int r = 0; r < M; r++) {
-                    float *acc = c[j] + r * 16;
-                    uint16_t *o = out + (int64_t)r * N + col;
-                    if (gelu) {
-#pragma omp simd
-                        for (int i = 0; i < 16; i++) acc[i] = gelu_erf(acc[i] + b[i]);
-                    } else {
-#pragma omp simd
-                        for (int i = 0; i < 16; i++) acc[i] += b[i];
-                    }
-                    for (int i = 0; i < 16; i++) o[i] = float_to_bf16(acc[i]);
-                }
-            }
+            finish_rows(c, cnt, n0, M, bias, gelu, out, N);
         }
         _tile_release();
     }
-    return 0;
-#else
-    (void)x, (void)wp, (void)bias, (void)out, (void)gelu, (void)M, (void)K, (void)N, (void)num_threads;
-    return -2;
+}
 #endif
+
+#ifdef HAVE_BF16_DOT
+/* Rows [0, R) of x (R <= 6) against cnt <= 4 blocks of 16 columns (weights w, the next block `step` pairs
+ * on): the float32 sums into c[j][(r0 + r) * 16 + i]. */
+static inline __attribute__((always_inline)) void rows_dot(int R, int cnt, const uint16_t *x, int K,
+                                                           const uint32_t *w, int64_t step, float c[4][256],
+                                                           int r0) {
+    const uint32_t *x32 = (const uint32_t *)x;
+    __m512 a[4][6];
+    for (int j = 0; j < cnt; j++)
+        for (int r = 0; r < R; r++) a[j][r] = _mm512_setzero_ps();
+    for (int k = 0; k < K / 2; k++) {
+        bf16x32 wv[4];
+        for (int j = 0; j < cnt; j++) wv[j] = pairs_at(w + j * step + (int64_t)k * 16);
+        for (int r = 0; r < R; r++) {
+            const bf16x32 xx = pair_splat(x32[(int64_t)r * (K / 2) + k]);
+            for (int j = 0; j < cnt; j++) a[j][r] = _mm512_dpbf16_ps(a[j][r], wv[j], xx);
+        }
+    }
+    for (int j = 0; j < cnt; j++)
+        for (int r = 0; r < R; r++) _mm512_store_ps(c[j] + (r0 + r) * 16, a[j][r]);
 }
 
-/* The two ends of an int8 linear layer (layers/quantize.py): the matmul between them is oneDNN's
- * int8 x int8 -> int32 (torch._int_mm, VNNI or AMX-INT8), whose integer sums are exact.
- *
- * quantize_rows: per row (token) asymmetric 8-bit over [lo, hi] = [min(x, 0), max(x, 0)]:
- * scale[r] = (hi - lo) / 255, zero z = rint(-lo / scale) in [0, 255], u = clamp(rint(x / scale) + z, 0, 255),
- * stored as the int8 q = u - 128 with zero[r] = z - 128, so that x ~ scale * (q - zero) (a row of zeros:
- * scale 0, q and zero -128). x is (M, K) contiguous, bfloat16 (bf16 = 1) or float32; one read per row,
- * the row in cache for the second.
- *
- * dequantize_rows: out[r, n] = (acc[r, n] - zero[r] * col_sum[n]) * row_scale[r] * col_scale[n] + bias[n],
- * where col_sum[n] is the sum of the int8 weight's row n (the zero point's share of the integer product,
- * subtracted exactly in int32), then with `gelu` exact (erf) GELU, in float32, rounded once into bfloat16
- * (bf16 = 1, to nearest even) or stored as float32; bias (may be NULL) in the output's dtype. acc is
- * (M, N) int32 contiguous. 0, or -1 without memory for a row of scratch (quantize_rows: 0). */
+static void small_linear_dot(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *out, int gelu,
+                             int M, int K, int N, int num_threads) {
+    const int nb = N / 16;
+    const int64_t step = (int64_t)(K / 2) * 16; /* pairs between two column blocks' weights */
+    const uint32_t *w32 = (const uint32_t *)wp;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int g = 0; g < (nb + 3) / 4; g++) {
+        float c[4][256] __attribute__((aligned(64)));
+        const int n0 = g * 4, cnt = nb - n0 < 4 ? nb - n0 : 4;
+        const uint32_t *w = w32 + n0 * step;
+        for (int m0 = 0; m0 < M; m0 += 16) { /* 16 rows at a time into c, the group's weights in cache */
+            const int rows = M - m0 < 16 ? M - m0 : 16;
+            for (int r0 = 0; r0 < rows; r0 += 6) {
+                const uint16_t *xr = x + (int64_t)(m0 + r0) * K;
+                const int R = rows - r0 < 6 ? rows - r0 : 6;
+                /* the usual shapes with their counts as constants: every sum stays in a register */
+                if (cnt == 4 && R == 6) rows_dot(6, 4, xr, K, w, step, c, r0);
+                else if (cnt == 4 && R == 4) rows_dot(4, 4, xr, K, w, step, c, r0);
+                else if (cnt == 4 && R == 2) rows_dot(2, 4, xr, K, w, step, c, r0);
+                else if (cnt == 4 && R == 1) rows_dot(1, 4, xr, K, w, step, c, r0);
+                else rows_dot(R, cnt, xr, K, w, step, c, r0);
+            }
+            finish_rows(c, cnt, n0, rows, bias, gelu, out + (int64_t)m0 * N, N);
+        }
+    }
+}
+#endif
+
+int small_linear(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *out, int gelu, int M, int K,
+                 int N, int num_threads) {
+    const int rows = small_linear_rows();
+    if (M < 1 || M > rows || N % 16 || K % 32) return -2;
+#ifdef HAVE_AMX
+    if (rows == SMALL_TILE_ROWS) {
+        small_linear_amx(x, wp, bias, out, gelu, M, K, N, num_threads);
+        return 0;
+    }
+#endif
+#ifdef HAVE_BF16_DOT
+    small_linear_dot(x, wp, bias, out, gelu, M, K, N, num_threads);
+    return 0;
+#endif
+    (void)x, (void)wp, (void)bias, (void)out, (void)gelu, (void)num_threads;
+    return -2;
+}
+
 int quantize_rows(const void *x, int bf16, int64_t M, int K, int8_t *q, float *scale, int32_t *zero,
                   int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static)
