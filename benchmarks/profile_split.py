@@ -50,6 +50,7 @@ STAGES = (
 # (stage, file path fragment, function name fragment or ""): the innermost frame that matches decides.
 RULES: tuple[tuple[str, str, str], ...] = (
     # workers
+    ("matmuls", "ops/cpu_kernels.py", "small_linear"),  # the project's linear for short sequences
     ("attention", "ops/attention.py", ""),
     ("attention", "ops/cpu_kernels.py", ""),
     ("attention", "ops/scored_attention.py", ""),
