@@ -327,13 +327,13 @@ static inline __attribute__((always_inline)) void softmax_pairs(int R, int nq, c
         }
         const float *sr = s + (int64_t)r * lp;
         __m512 mv = _mm512_set1_ps(-INFINITY);
-        for (int j = lo[r]; j < hi[r]; j += 16)
-            mv = _mm512_mask_max_ps(mv, first(hi[r] - j), mv, _mm512_loadu_ps(sr + j));
+        for (int j = lo[r]; j < hi[r]; j += 16) /* masked loads: nothing past the row's keys is read */
+            mv = _mm512_mask_max_ps(mv, first(hi[r] - j), mv, _mm512_maskz_loadu_ps(first(hi[r] - j), sr + j));
         const __m512 msc = _mm512_set1_ps(_mm512_reduce_max_ps(mv) * scale);
         __m512 sum = _mm512_setzero_ps();
         for (int j = lo[r]; j < hi[r]; j += 16) {
             const __mmask16 k = first(hi[r] - j);
-            const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), sc, msc)));
+            const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, sr + j), sc, msc)));
             sum = _mm512_add_ps(sum, e);
             /* rounded to nearest even (vcvtneps2bf16), as float_to_bf16 */
             _mm256_mask_storeu_epi16(pr + j, k, (__m256i)_mm512_cvtneps_pbh(e));
