@@ -5,6 +5,7 @@ settings, SIGTERM as a drain, and the exit soon after a fatal failure. Below bot
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import socket
@@ -35,6 +36,12 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets=sockets)
         if sockets and self.started:  # uvicorn says where it listens only for sockets it bound itself
             self._log_started_message(sockets)
+        if self.started:
+            # What start-up built (the app, its routes, models' configs and tokenizers, imported modules)
+            # lives as long as the process: out of the collector's reach, a collection walks only what
+            # requests allocate since (reference counting still frees what is let go of).
+            gc.collect()
+            gc.freeze()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._drain_task is not None or self.should_exit:

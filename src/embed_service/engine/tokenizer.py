@@ -89,6 +89,7 @@ class Truncation:
 
 PROMPT_CACHE_CHARS = 1 << 20  # characters of prompts whose token counts are kept (client prompts)
 PROMPT_CACHE_ONE = 1 << 14  # a longer prompt is measured every time: one request must not fill the cache
+FEW_TEXTS = 4  # up to this many short texts tokenize one call each, on the calling thread
 GROWTH = 4  # a window that does not decide the cut grows this many times over
 
 
@@ -260,7 +261,13 @@ class Tokenizer:
         if direct:
             # Short texts: one batch call (Rust, releases the GIL). The prompt is joined only to texts
             # already known to be short: its copies are bounded by the request's character budget.
-            encoded = self._encode_ids([prompt + texts[i] for i in direct], add_special_tokens=True)
+            joined = [prompt + texts[i] for i in direct]
+            if len(joined) <= FEW_TEXTS:
+                # A few texts one at a time: the batch call hands even one text to the tokenizer's
+                # thread pool and waits for it, dearer than the text itself on busy cores.
+                encoded = [self.backend.encode(text, add_special_tokens=True) for text in joined]
+            else:
+                encoded = self._encode_ids(joined, add_special_tokens=True)
             for i, e in zip(direct, encoded):
                 out[i] = self._with_eos(e.ids)
         return out  # type: ignore[return-value]
