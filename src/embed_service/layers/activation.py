@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from embed_service.layers import quantize
 from embed_service.layers.linear import dense, int8_weight, onednn_bf16, packed_weight, small_linear
-from embed_service.ops import fused, invariance
+from embed_service.ops import decoder_kernels, fused, invariance
 
 
 def _gelu_new(x: torch.Tensor) -> torch.Tensor:
@@ -48,10 +48,13 @@ GATED_KERNELS = {
 def act_and_mul(x: torch.Tensor, name: str) -> torch.Tensor:
     """A gated MLP's activation on a merged [gate | up] projection: (T, 2I) -> (T, I), act(gate) * up.
 
-    One pass over the row with the Triton kernel (ops/fused.py chooses); the reference below elsewhere.
+    One pass over the row with the Triton kernel (ops/fused.py chooses), or for SwiGLU in bf16 on a CPU with
+    the C kernel (ops/decoder_kernels.py); the reference below elsewhere.
     """
     if (k := fused.kernels()) is not None and name in GATED_KERNELS:
         return k.act_and_mul(x, GATED_KERNELS[name])
+    if GATED_KERNELS.get(name) == "silu" and x.dim() == 2 and (c := decoder_kernels.kernel()) and c.takes(x):
+        return c.silu_mul(x)  # bf16 on a CPU: one pass (ops/csrc/decoder_ops.c)
     return act_and_mul_reference(x, name)
 
 

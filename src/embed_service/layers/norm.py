@@ -1,8 +1,8 @@
 """Normalization layers. Statistics are taken in float32 whatever the activation dtype.
 
 Both take an optional residual: ``norm(x, residual)`` returns ``(norm(x + residual), x + residual)``, the
-add and the norm in one pass over the row where the Triton kernel runs (ops/fused.py chooses), the plain
-add then the norm elsewhere. The bodies here are the kernels' references.
+add and the norm in one pass over the row where the Triton kernel runs (ops/fused.py chooses), or for
+RMSNorm in bf16 on a CPU the C kernel (ops/decoder_kernels.py); the plain add then the norm elsewhere. The bodies here are the kernels' references.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from embed_service.layers.linear import default_weight_loader
-from embed_service.ops import fused
+from embed_service.ops import decoder_kernels, fused
 
 
 class LayerNorm(nn.Module):
@@ -57,10 +57,24 @@ class RMSNorm(nn.Module):
         if (k := fused.kernels()) is not None:
             out, summed = k.add_rms_norm(x, residual, self.weight, self.eps)
             return out if residual is None else (out, summed)
+        if (c := decoder_kernels.kernel()) and self._on_cpu_kernel(c, x, residual):
+            out, summed = c.rms_norm(x, residual, self.weight, self.eps)  # one pass (ops/csrc/decoder_ops.c)
+            return out if residual is None else (out, summed)
         if residual is None:
             return self.reference(x)
         x = x + residual
         return self.reference(x), x
+
+    def _on_cpu_kernel(
+        self, c: decoder_kernels.DecoderKernel, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> bool:
+        """bf16 on a CPU, every operand contiguous."""
+        operands = (x, self.weight) if residual is None else (x, residual, self.weight)
+        return (
+            c.takes(*operands)
+            and all(t.is_contiguous() for t in operands)
+            and (residual is None or residual.shape == x.shape)
+        )
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         # As transformers does: normalize in float32, cast back, then scale.

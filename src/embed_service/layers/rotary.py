@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from embed_service.ops import fused
+from embed_service.ops import decoder_kernels, fused
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -112,10 +112,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (T, H, D) rotated by cos/sin (T, 1, D); in float32 whatever the activation dtype.
 
-    With the Triton kernel (ops/fused.py) x is rotated in place and returned; callers use the result.
+    With the Triton kernel (ops/fused.py), or the C kernel in bf16 on a CPU (ops/decoder_kernels.py), x is
+    rotated in place and returned; callers use the result.
     """
     if (k := fused.kernels()) is not None and x.stride(-1) == 1:
         return k.rotary_(x, cos, sin)
+    if (
+        x.dim() == 3
+        and cos.dtype == sin.dtype == torch.float32
+        and (c := decoder_kernels.kernel())
+        and c.takes(x)
+    ):
+        return c.rotary_(x, cos, sin)  # bf16 on a CPU: in place, one pass (ops/csrc/decoder_ops.c)
     return apply_rotary_reference(x, cos, sin)
 
 

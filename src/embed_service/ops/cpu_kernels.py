@@ -48,7 +48,11 @@ import torch
 
 log = logging.getLogger("embed_service.kernels")
 
-SOURCE = Path(__file__).parent / "csrc" / "varlen_attention.c"
+CSRC = Path(__file__).parent / "csrc"
+# One library from these: attention and the linear layers (varlen_attention.c), the decoders' elementwise ops
+# (decoder_ops.c), the bf16 conversions both use (bf16.h).
+SOURCES = (CSRC / "varlen_attention.c", CSRC / "decoder_ops.c")
+HEADERS = (CSRC / "bf16.h",)
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC"]
 COMMON_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC"]
 # Linked apart from the compile, without -ffast-math: linking a shared library with it (gcc before 13) adds
@@ -186,8 +190,12 @@ def noexec_mount(path: Path) -> bool:
     return False
 
 
+def _source_bytes() -> bytes:
+    return b"".join(f.name.encode() + b"\0" + f.read_bytes() for f in (*SOURCES, *HEADERS))
+
+
 def source_digest() -> str:
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
+    return hashlib.sha256(_source_bytes()).hexdigest()
 
 
 def prebuild(out_dir: Path, compiler: str) -> dict[str, dict[str, str]]:
@@ -240,16 +248,16 @@ def _prebuilt_fd() -> tuple[int, str, Path] | None:
 
 
 def compile_library(compiler: str, flags: list[str], lib: Path, timeout: float) -> None:
-    """SOURCE compiled with `flags` to an object beside `lib`, then linked into `lib` with LINK_FLAGS."""
-    obj = lib.with_name(lib.name + ".o")
+    """SOURCES compiled with `flags` to objects beside `lib`, then linked into `lib` with LINK_FLAGS."""
+    objs = [lib.with_name(f"{lib.name}.{i}.o") for i in range(len(SOURCES))]
     try:
-        for cmd in (
-            [compiler, *flags, "-c", str(SOURCE), "-o", str(obj)],
-            [compiler, *LINK_FLAGS, str(obj), "-o", str(lib), "-lm"],
-        ):
+        cmds = [[compiler, *flags, "-c", str(src), "-o", str(obj)] for src, obj in zip(SOURCES, objs)]
+        cmds.append([compiler, *LINK_FLAGS, *map(str, objs), "-o", str(lib), "-lm"])
+        for cmd in cmds:
             subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=timeout)
     finally:
-        obj.unlink(missing_ok=True)
+        for obj in objs:
+            obj.unlink(missing_ok=True)
 
 
 def _build(compiler: str, lib: Path) -> None:
@@ -277,7 +285,7 @@ def _build(compiler: str, lib: Path) -> None:
 def library_name(compiler: str) -> str:
     """The library's file name: a hash of the source, the compiler and its flags, and the CPU."""
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join([compiler, *FLAGS, *LINK_FLAGS]).encode() + _cpu_identity().encode()
+        _source_bytes() + " ".join([compiler, *FLAGS, *LINK_FLAGS]).encode() + _cpu_identity().encode()
     ).hexdigest()
     return f"varlen_attention-{key[:16]}.so"
 

@@ -38,6 +38,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 /* Queries per step: 8 where the CPU has 32 vector registers (AVX-512: 16 accumulators, two key or value
  * vectors and a broadcast stay in registers, two loads per 16 FMAs), else 4 (AVX2's 16 registers hold a
  * vf16 in two each). */
@@ -56,20 +58,6 @@ typedef float vf16u __attribute__((vector_size(64), aligned(4)));
 static inline vf16 vload(const float *p) { return *(const vf16u *)p; }
 static inline void vstore(float *p, vf16 x) { *(vf16u *)p = x; }
 static inline vf16 vsplat(float a) { return (vf16){0} + a; }
-
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even (finite inputs) */
-    return (uint16_t)(u >> 16);
-}
 
 /* n values of a row to float32 (bf16: exact). */
 static inline __attribute__((always_inline)) void load_row(float *restrict dst, const void *src, int n, int bf16) {
