@@ -16,7 +16,7 @@ from torch import nn
 
 from embed_service.layers import quantize
 from embed_service.ops import invariance
-from embed_service.ops.cpu_kernels import AttentionKernel, attention_kernel, pack_small_linear
+from embed_service.ops.cpu_kernels import AttentionKernel, attention_kernel
 from embed_service.parallel import all_reduce, tp_rank, tp_world_size
 
 
@@ -103,6 +103,13 @@ def small_linear(
     if packed is None:
         return None
     return kernel.small_linear(x, packed, bias, n, gelu)
+
+
+def pack_small_linear(weight: torch.Tensor) -> torch.Tensor:
+    """A (N, K) bf16 weight in `small_linear`'s layout: [N/16][K/32][16 input pairs][16 columns][2] (the
+    tiles' layout; read as 32-bit pairs, [N/16][K/2][16], the dot products')."""
+    n, k = weight.shape
+    return weight.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
 def _small_packed(weight: torch.Tensor) -> torch.Tensor | None:

@@ -49,10 +49,8 @@ import torch
 log = logging.getLogger("embed_service.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
-# One library from these: attention and the linear layers (varlen_attention.c), the decoders' elementwise ops
-# (decoder_ops.c), the bf16 conversions both use (bf16.h).
-SOURCES = (CSRC / "varlen_attention.c", CSRC / "decoder_ops.c")
-HEADERS = (CSRC / "bf16.h",)
+# One library: attention and linear layers, a decoder's elementwise ops, and the bf16 conversions both include.
+SOURCES, HEADERS = (CSRC / "varlen_attention.c", CSRC / "decoder_ops.c"), (CSRC / "bf16.h",)
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC"]
 COMMON_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC"]
 # Linked apart from the compile, without -ffast-math: linking a shared library with it (gcc before 13) adds
@@ -190,12 +188,11 @@ def noexec_mount(path: Path) -> bool:
     return False
 
 
-def _source_bytes() -> bytes:
-    return b"".join(f.name.encode() + b"\0" + f.read_bytes() for f in (*SOURCES, *HEADERS))
-
-
 def source_digest() -> str:
-    return hashlib.sha256(_source_bytes()).hexdigest()
+    """Of every source and header, each with its name."""
+    return hashlib.sha256(
+        b"".join(f.name.encode() + b"\0" + f.read_bytes() for f in (*SOURCES, *HEADERS))
+    ).hexdigest()
 
 
 def prebuild(out_dir: Path, compiler: str) -> dict[str, dict[str, str]]:
@@ -250,10 +247,9 @@ def _prebuilt_fd() -> tuple[int, str, Path] | None:
 def compile_library(compiler: str, flags: list[str], lib: Path, timeout: float) -> None:
     """SOURCES compiled with `flags` to objects beside `lib`, then linked into `lib` with LINK_FLAGS."""
     objs = [lib.with_name(f"{lib.name}.{i}.o") for i in range(len(SOURCES))]
+    cmds = [[compiler, *flags, "-c", str(src), "-o", str(obj)] for src, obj in zip(SOURCES, objs)]
     try:
-        cmds = [[compiler, *flags, "-c", str(src), "-o", str(obj)] for src, obj in zip(SOURCES, objs)]
-        cmds.append([compiler, *LINK_FLAGS, *map(str, objs), "-o", str(lib), "-lm"])
-        for cmd in cmds:
+        for cmd in [*cmds, [compiler, *LINK_FLAGS, *map(str, objs), "-o", str(lib), "-lm"]]:
             subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=timeout)
     finally:
         for obj in objs:
@@ -285,7 +281,9 @@ def _build(compiler: str, lib: Path) -> None:
 def library_name(compiler: str) -> str:
     """The library's file name: a hash of the source, the compiler and its flags, and the CPU."""
     key = hashlib.sha256(
-        _source_bytes() + " ".join([compiler, *FLAGS, *LINK_FLAGS]).encode() + _cpu_identity().encode()
+        source_digest().encode()
+        + " ".join([compiler, *FLAGS, *LINK_FLAGS]).encode()
+        + _cpu_identity().encode()
     ).hexdigest()
     return f"varlen_attention-{key[:16]}.so"
 
@@ -304,13 +302,6 @@ def _kernel_fd(compiler: str) -> tuple[int, Path]:
         if fd is None:
             raise UntrustedCacheError(f"{lib} vanished after it was built")
         return fd, lib
-
-
-def pack_small_linear(weight: torch.Tensor) -> torch.Tensor:
-    """A (N, K) bf16 weight in `small_linear`'s layout: [N/16][K/32][16 input pairs][16 columns][2] (the
-    tiles' layout; read as 32-bit pairs, [N/16][K/2][16], the dot products')."""
-    n, k = weight.shape
-    return weight.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
 class AttentionKernel:
@@ -352,7 +343,7 @@ class AttentionKernel:
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, gelu: bool
     ) -> torch.Tensor | None:
         """x (M <= small_linear_rows(), K) bf16 contiguous @ W.T + bias, then exact GELU with `gelu`, on the
-        tile unit or as dot products, W packed by `pack_small_linear`; bf16 out. None where the kernel declines
+        tile unit or as dot products, W packed by layers.linear.pack_small_linear; bf16 out. None where the kernel declines
         (then the caller's path runs)."""
         rows, k = x.shape
         out = torch.empty(rows, out_features, dtype=torch.bfloat16)
