@@ -259,8 +259,9 @@ class Tokenizer:
                 else:
                     out[i] = self._long(text, prompt, rule, room, head, max_chars, first_index + i)
         if direct:
-            # Short texts: one batch call (Rust, releases the GIL). The prompt is joined only to texts
-            # already known to be short: its copies are bounded by the request's character budget.
+            # Short texts: one batch call (Rust, releases the GIL), or a call each for a few. The prompt is
+            # joined only to texts already known to be short: its copies are bounded by the request's
+            # character budget.
             joined = [prompt + texts[i] for i in direct]
             if len(joined) <= FEW_TEXTS:
                 # A few texts one at a time: the batch call hands even one text to the tokenizer's

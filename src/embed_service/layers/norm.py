@@ -2,7 +2,8 @@
 
 Both take an optional residual: ``norm(x, residual)`` returns ``(norm(x + residual), x + residual)``, the
 add and the norm in one pass over the row where the Triton kernel runs (ops/fused.py chooses), or for
-RMSNorm in bf16 on a CPU the C kernel (ops/decoder_kernels.py); the plain add then the norm elsewhere. The bodies here are the kernels' references.
+RMSNorm in bf16 on a CPU the C kernel (ops/decoder_kernels.py); the plain add then the norm elsewhere. The
+bodies here are the kernels' references.
 """
 
 from __future__ import annotations

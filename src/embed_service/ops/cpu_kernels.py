@@ -343,8 +343,8 @@ class AttentionKernel:
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, gelu: bool
     ) -> torch.Tensor | None:
         """x (M <= small_linear_rows(), K) bf16 contiguous @ W.T + bias, then exact GELU with `gelu`, on the
-        tile unit or as dot products, W packed by layers.linear.pack_small_linear; bf16 out. None where the kernel declines
-        (then the caller's path runs)."""
+        tile unit or as dot products, W packed by layers.linear.pack_small_linear; bf16 out. None where the
+        kernel declines (then the caller's path runs)."""
         rows, k = x.shape
         out = torch.empty(rows, out_features, dtype=torch.bfloat16)
         rc = self._small_linear(
