@@ -53,8 +53,8 @@ class Served:
 
 
 @contextlib.contextmanager
-def served(src: str, port: int, extra: list[str], null_model: bool) -> Iterator[Served]:
-    """A server from source tree `src` on `port`, healthy, stopped on exit."""
+def served(src: str, port: int, extra: list[str], null_model: bool, poll_s: float = 0.3) -> Iterator[Served]:
+    """A server from source tree `src` on `port`, healthy (/health polled every `poll_s`), stopped on exit."""
     env = {**os.environ, "PYTHONPATH": str(Path(src).resolve())}
     if null_model:
         env["EMBED_NULL_MODEL"] = "1"
@@ -76,7 +76,7 @@ def served(src: str, port: int, extra: list[str], null_model: bool) -> Iterator[
                     pass
                 if server.poll() is not None:
                     raise SystemExit(f"{src}: the server exited ({server.returncode}); see its log")
-                time.sleep(0.3)
+                time.sleep(poll_s)
             else:
                 raise SystemExit(f"{src}: the server did not become healthy")
             yield Served(url, [psutil.Process(server.pid)])

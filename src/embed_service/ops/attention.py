@@ -19,6 +19,7 @@ order.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import os
@@ -69,7 +70,11 @@ def torch_varlen(module: Any = None) -> tuple[Callable[..., torch.Tensor], froze
     return fn, params
 
 
-_TORCH_VARLEN = torch_varlen()
+@functools.cache
+def _native_varlen() -> tuple[Callable[..., torch.Tensor], frozenset[str]] | None:
+    """torch_varlen() once per process, at the first CUDA decision: importing torch.nn.attention.varlen takes
+    over a second, and a CPU worker never calls it."""
+    return torch_varlen()
 
 
 def backend_name(
@@ -86,10 +91,10 @@ def backend_name(
     auto) when it is available, else torch-varlen, flash-attn, sdpa in that order. On a CPU the project's
     compiled kernel when it builds; else SDPA.
     """
-    flash = flash_attn_varlen_func is not None if flash_available is None else flash_available
-    native = _TORCH_VARLEN is not None if torch_varlen_available is None else torch_varlen_available
     wanted = wanted_backend() if wanted is None else wanted
     if device_type == "cuda" and dtype in FLASH_DTYPES:
+        flash = flash_attn_varlen_func is not None if flash_available is None else flash_available
+        native = _native_varlen() is not None if torch_varlen_available is None else torch_varlen_available
         available = {"torch-varlen": native, "flash-attn": flash, "sdpa": True}
         order = [wanted] if wanted != "auto" else []
         return next(b for b in [*order, *CUDA_BACKENDS] if available[b])
@@ -174,8 +179,9 @@ def varlen_attention(
         window = None  # the window covers every sequence of this batch
     if q.is_cuda and q.dtype in FLASH_DTYPES:
         chosen = backend or _cuda_backend()
-        if chosen == "torch-varlen" and _TORCH_VARLEN is not None:
-            fn, params = _TORCH_VARLEN
+        native = _native_varlen() if chosen == "torch-varlen" else None
+        if native is not None:
+            fn, params = native
             args, kwargs = torch_varlen_args(q, k, batch, causal, scale, window, params)
             return fn(q, k, v, *args, **kwargs)
         if chosen == "flash-attn" and flash_attn_varlen_func is not None:
