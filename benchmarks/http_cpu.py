@@ -132,6 +132,16 @@ def load(
     )
 
 
+def parse_trees(specs: list[str]) -> list[tuple[str, str, list[str]]]:
+    """`--tree NAME=SRC_DIR[:extra server flags]` arguments -> (name, source folder, flags)."""
+    trees = []
+    for spec in specs:
+        name, _, rest = spec.partition("=")
+        src, _, flags = rest.partition(":")
+        trees.append((name, src, flags.split()))
+    return trees
+
+
 def cpu_model() -> str:
     out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
     return next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "")
@@ -153,11 +163,7 @@ def main() -> None:
     )
     parser.add_argument("--json", help="append this run to a JSON file (a list of runs)")
     args = parser.parse_args()
-    trees = []
-    for spec in args.tree:
-        name, _, rest = spec.partition("=")
-        src, _, flags = rest.partition(":")
-        trees.append((name, src, flags.split()))
+    trees = parse_trees(args.tree)
     runs: dict[str, list[Load]] = {name: [] for name, _, _ in trees}
     for _ in range(args.rounds):
         for name, src, extra in trees:

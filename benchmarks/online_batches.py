@@ -37,6 +37,7 @@ from embed_service.ops.batch import FlatBatch  # noqa: E402
 from embed_service.outputs import DENSE_ONLY  # noqa: E402
 from embed_service.server import default_model_path  # noqa: E402
 
+SRC = Path(__file__).resolve().parents[1] / "src"  # this tree's server, whatever the working folder
 SIZES = (1, 2, 4, 8, 10, 16, 32, 64, 128)
 LOADS = {"online (1/request, c=32)": (1, 32), "bulk (32/request, c=4)": (32, 4)}
 
@@ -54,7 +55,7 @@ def batch_sums(url: str) -> dict[str, float]:
 
 def served_batches(corpus: str, duration: float, port: int) -> dict[str, dict[str, float]]:
     figures = {}
-    with served("src", port, [], null_model=False) as target:
+    with served(str(SRC), port, [], null_model=False) as target:
         for name, (per_request, concurrency) in LOADS.items():
             load(target, corpus, per_request, concurrency, 2.0)  # warm
             before = batch_sums(target.url)

@@ -1,8 +1,8 @@
 """Seconds from `python -m embed_service serve` to its first healthy /health, for source trees side by side.
 
 Each round starts a server from every tree in turn (default model and settings unless extra flags follow the
-tree's source folder), polls /health every 20 ms (`http_cpu.served`), and stops it. Medians over rounds; the rounds' spread is
-printed beside them. Example, this tree against an older commit checked out with `git worktree add`:
+tree's source folder), polls /health every 20 ms (`http_cpu.served`), and stops it. Medians over rounds;
+the rounds' spread is printed beside them. Example, this tree against an older commit checked out with `git worktree add`:
 
     python benchmarks/startup.py --tree before=/tmp/old/src --tree after=src \\
         --json benchmarks/results/startup.json
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.http_cpu import served  # noqa: E402
+from benchmarks.http_cpu import parse_trees, served  # noqa: E402
 from benchmarks.result_file import ResultFile  # noqa: E402
 
 
@@ -38,11 +38,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the figures to this file")
     args = parser.parse_args()
     record = ResultFile()
-    trees = {}
-    for spec in args.tree:
-        name, _, rest = spec.partition("=")
-        src, _, flags = rest.partition(":")
-        trees[name] = (src, flags.split())
+    trees = {name: (src, extra) for name, src, extra in parse_trees(args.tree)}
     rounds: dict[str, list[float]] = {name: [] for name in trees}
     for _ in range(args.rounds):
         for name, (src, extra) in trees.items():

@@ -1,7 +1,8 @@
 """ctypes front of a decoder block's elementwise ops in bf16 on the CPU (csrc/decoder_ops.c): SwiGLU's
 silu(gate) * up, rotary embeddings in place (ModernBERT's rotary too: the same layer), RMSNorm with its
-residual add; bound from the library ops/cpu_kernels loads. `kernel()` is None where that library is absent (EMBED_CPU_KERNELS=0, no compiler and
-no prebuilt one) or during the fidelity check's reference pass: the layers then run their torch references.
+residual add; bound from the library ops/cpu_kernels loads. `kernel()` is None where that library is absent
+(EMBED_CPU_KERNELS=0, no compiler and no prebuilt one) or during the fidelity check's reference pass: the
+layers then run their torch references.
 """
 
 from __future__ import annotations
