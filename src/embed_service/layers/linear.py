@@ -112,6 +112,23 @@ def pack_small_linear(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
+def small_linear_serves(weight: torch.Tensor) -> bool:
+    """Whether `small_linear` serves matmuls with this weight at up to small_rows() rows (batch invariance
+    off): bf16 on a CPU, a shape the kernel takes, not marked for int8, its packed copy kept (made here if it
+    is not yet, as the first such matmul would make it). Such a matmul generates no code per row count and
+    computes each row on its own."""
+    n, k = weight.shape
+    return (
+        small_rows() > 0
+        and weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and not getattr(weight, "int8", False)
+        and n % 16 == 0
+        and k % 32 == 0
+        and _small_packed(weight) is not None
+    )
+
+
 def _small_packed(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` in small_linear's layout, kept beside it like `packed_weight`'s copy; None past the budget."""
     packed = _kept_copy(weight, "_small_packed", lambda w: pack_small_linear(w.detach()))

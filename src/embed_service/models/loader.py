@@ -15,11 +15,19 @@ import numpy as np
 import torch
 from torch import nn
 
-from embed_service.layers.linear import ReplicatedLinear, default_weight_loader
+from embed_service.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    default_weight_loader,
+    small_linear_serves,
+    small_rows,
+)
 from embed_service.models import scoring
 from embed_service.models.checkpoint import weight_files
 from embed_service.models.heads import OutputHeads, SpladeHead, load_linear
 from embed_service.models.spec import DenseSpec, ModelSpec
+from embed_service.ops import invariance
 from embed_service.ops.batch import FlatBatch, padded_tokens
 from embed_service.ops.pooling import POOLERS
 from embed_service.outputs import OutputRequest, SequenceOutput
@@ -164,6 +172,13 @@ class EmbeddingModel(nn.Module):
             head = DenseHead(d)
             load_weights(head, d.path)
             dense.append(head.to(device))
+        # The body's linear layers (their weights read at each forward: the fidelity check swaps them).
+        self._matmuls = [
+            m
+            for m in self.model.modules()
+            if isinstance(m, (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear))
+        ]
+        self._small_body: tuple[tuple | None, bool] = (None, False)
         self.heads = OutputHeads(
             POOLERS[spec.pooling] if self.towers is None else POOLERS["cls"],  # towers pool their own
             dense,
@@ -180,9 +195,28 @@ class EmbeddingModel(nn.Module):
         if self.towers is not None:
             return self.towers(batch, requests)
         tokens = int(batch.cu_seqlens[-1])
-        run = batch.padded(padded_tokens(tokens)) if batch.input_ids.device.type == "cpu" else batch
+        run = batch.padded(padded_tokens(tokens)) if self._pads(batch, tokens) else batch
         hidden = self.model(run)[:tokens]  # (T, H): the real rows
         return self.heads(hidden, batch.input_ids[:tokens], batch.cu_seqlens, requests)
+
+    def _pads(self, batch: FlatBatch, tokens: int) -> bool:
+        """Whether a forward of `tokens` tokens runs padded to a step of token counts (ops/batch.padded_tokens):
+        on a CPU, so that oneDNN meets a few matmul shapes rather than a new one every batch; not where every
+        matmul of the body runs on the project's short-sequence kernel (layers/linear.small_linear_serves at
+        this count, batch invariance off, no masked-LM head): that kernel generates no code per shape, and the
+        padding rows would be work for nothing (17 tokens ran as 32)."""
+        if batch.input_ids.device.type != "cpu":
+            return False
+        rows = small_rows()
+        if tokens > rows or invariance.enabled() or self.spec.splade is not None or not self._matmuls:
+            return True
+        # Whether the kernel serves every one of them, decided again when what it depends on changes: the
+        # kernel's rows, the weights' dtype and storage (the fidelity check's float32 pass), int8 marks.
+        first, last = self._matmuls[0].weight, self._matmuls[-1].weight
+        key = (rows, first.dtype, first.data_ptr(), last.dtype, getattr(last, "int8", False))
+        if self._small_body[0] != key:
+            self._small_body = (key, all(small_linear_serves(m.weight) for m in self._matmuls))
+        return not self._small_body[1]
 
     def parameter_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())

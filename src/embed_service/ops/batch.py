@@ -131,7 +131,8 @@ def padded_tokens(tokens: int) -> int:
     Why: oneDNN generates (JIT-compiles) its matmul kernels for every new shape, and with a new token count
     per batch that code generation took 10-20% of a worker's time under load (perf: Xbyak's code emitter
     among the top symbols). With these steps a 16k-token budget needs about 100 shapes per linear layer, all
-    of them kept in oneDNN's primitive cache after their first use.
+    of them kept in oneDNN's primitive cache after their first use. A bf16 batch that the project's
+    short-sequence kernel serves whole runs unpadded (models/loader.EmbeddingModel._pads).
     """
     step = 16 if tokens <= 256 else 64 if tokens <= 2048 else 256
     return -(-tokens // step) * step
