@@ -58,8 +58,13 @@ def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 # A cap on the rows `small_linear` takes, below the kernel's own limit (small_linear_rows: 16 on the AMX
-# tiles, 256 as AVX512-BF16 dot products); None: no cap, 0: never (benchmarks compare with oneDNN alone).
+# tiles, 4,096 as AVX512-BF16 dot products); None: no cap, 0: never (benchmarks compare with oneDNN alone).
 SMALL_ROWS: int | None = None
+# The dot products split a matmul over its 64-column groups only (6 for a 384-wide output), oneDNN over rows
+# too: with more threads than THREADS_FOR_LONG, batches past LONG_CAP rows keep oneDNN. Measured (faster or
+# as fast as oneDNN at every count up to 4,096) at one and two threads only.
+THREADS_FOR_LONG = 2
+LONG_CAP = 256
 
 
 @functools.cache
@@ -72,8 +77,11 @@ def _small_kernel() -> tuple[AttentionKernel | None, int]:
 
 
 def small_rows() -> int:
-    """The most rows a bf16 linear layer runs through `small_linear` in this process (0: none)."""
+    """The most rows a bf16 linear layer runs through `small_linear` in this process at its present
+    thread count (0: none)."""
     rows = _small_kernel()[1]
+    if torch.get_num_threads() > THREADS_FOR_LONG:
+        rows = min(rows, LONG_CAP)
     return rows if SMALL_ROWS is None else min(rows, SMALL_ROWS)
 
 

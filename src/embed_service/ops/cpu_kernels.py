@@ -335,7 +335,7 @@ class AttentionKernel:
 
     def small_linear_rows(self) -> int:
         """The most rows `small_linear` takes here: 16 on the AMX tiles (built with AMX, the tiles permitted,
-        EMBED_CPU_AMX not 0), else 256 as AVX512-BF16 dot products (built with them, EMBED_CPU_BF16_DOT not
+        EMBED_CPU_AMX not 0), else 4,096 as AVX512-BF16 dot products (built with them, EMBED_CPU_BF16_DOT not
         0), else 0: it does not run."""
         return int(self.lib.small_linear_rows())
 

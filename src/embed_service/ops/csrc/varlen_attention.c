@@ -631,9 +631,11 @@ int varlen_attention(const void *q, const void *k, const void *v, void *out, int
  * small_linear_rows(), N % 16, K % 32). Where the CPU has AMX the dot products are not used (the tiles'
  * matmul, oneDNN's past 16 rows, is several times faster). */
 #define SMALL_TILE_ROWS 16 /* one tile: a short query's tokens */
-#define SMALL_DOT_ROWS 256 /* past it oneDNN's matmul is as fast (docs/performance.md) */
+/* As dot products: as fast as oneDNN's matmul or faster at every count measured up to 4,096 rows (one and
+ * two threads), and a batch it serves needs no padding to one of oneDNN's shapes (docs/performance.md). */
+#define SMALL_DOT_ROWS 4096
 
-/* The most rows small_linear takes here: 16 on the tile unit, 256 as dot products, 0 where neither runs. */
+/* The most rows small_linear takes here: 16 on the tile unit, 4,096 as dot products, 0 where neither runs. */
 int small_linear_rows(void) {
 #ifdef HAVE_AMX
     if (amx_permitted() && !amx_disabled()) return SMALL_TILE_ROWS;
