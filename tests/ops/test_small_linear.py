@@ -127,10 +127,15 @@ def test_weight_written_in_place_is_packed_again():
     assert_bf16_close(again, x.float() @ w.float().T + b.float())
 
 
+def dot_rows() -> int:
+    """The dot products' rows at this process's thread count: 4,096, or 256 past two threads."""
+    return 4096 if torch.get_num_threads() <= linear.THREADS_FOR_LONG else linear.LONG_CAP
+
+
 def test_the_rows_each_path_takes(path):
-    """16 on the tiles (where the CPU has AMX, unless EMBED_CPU_AMX=0), else 4,096 as dot products."""
+    """16 on the tiles (where the CPU has AMX, unless EMBED_CPU_AMX=0), else as dot products."""
     tiles = {"amx_bf16", "amx_tile"} <= FLAGS and path == "fastest"
-    assert linear.small_rows() == (16 if tiles else 4096)
+    assert linear.small_rows() == (16 if tiles else dot_rows())
 
 
 def test_past_two_threads_a_long_batch_keeps_onednn(path):
@@ -145,7 +150,7 @@ def test_past_two_threads_a_long_batch_keeps_onednn(path):
         assert_bf16_close(linear.dense(x, w, b), ref)
     finally:
         torch.set_num_threads(threads)
-    assert linear.small_rows() == (16 if tiles else 4096)
+    assert linear.small_rows() == (16 if tiles else dot_rows())
 
 
 def test_a_cap_of_zero_keeps_onednn(monkeypatch):
