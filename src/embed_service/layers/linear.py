@@ -104,13 +104,12 @@ def small_linear(
     kernel = _small_kernel()[0]
     if kernel is None:
         return None
-    n, k = weight.shape
-    if n % 16 or k % 32 or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous())):
+    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
         return None
-    packed = _small_packed(weight)
+    packed = _small_weight(weight)
     if packed is None:
         return None
-    return kernel.small_linear(x, packed, bias, n, gelu)
+    return kernel.small_linear(x, packed, bias, weight.shape[0], gelu)
 
 
 def pack_small_linear(weight: torch.Tensor) -> torch.Tensor:
@@ -125,20 +124,21 @@ def small_linear_serves(weight: torch.Tensor) -> bool:
     off): bf16 on a CPU, a shape the kernel takes, not marked for int8, its packed copy kept (made here if it
     is not yet, as the first such matmul would make it). Such a matmul generates no code per row count and
     computes each row on its own."""
-    n, k = weight.shape
     return (
         small_rows() > 0
         and weight.dtype == torch.bfloat16
         and weight.device.type == "cpu"
         and not getattr(weight, "int8", False)
-        and n % 16 == 0
-        and k % 32 == 0
-        and _small_packed(weight) is not None
+        and _small_weight(weight) is not None
     )
 
 
-def _small_packed(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` in small_linear's layout, kept beside it like `packed_weight`'s copy; None past the budget."""
+def _small_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` in small_linear's layout, kept beside it like `packed_weight`'s copy; None for a shape the
+    kernel does not take (N a multiple of 16, K of 32) or past the budget."""
+    n, k = weight.shape
+    if n % 16 or k % 32:
+        return None
     packed = _kept_copy(weight, "_small_packed", lambda w: pack_small_linear(w.detach()))
     return None if packed is weight else packed
 
