@@ -51,6 +51,9 @@ DECODER_NAME = "SmolLM2-135M-Instruct"
 DECODER_MAX_LENGTH = 256  # the same cut for the server and sentence-transformers (sentence_bert_config)
 CORPORA = compare_report.CORPORA
 BULK = {"inputs_per_request": 32, "concurrency": 4}
+# The decoder's fixed work per run, at least: eight batches of the default token budget, so that every worker
+# takes several.
+DECODER_WORK_TOKENS = 8 * 4096
 ONLINE = {"inputs_per_request": 1, "concurrency": 32}
 SWEEP = (1, 4, 16, 32, 64)
 
@@ -345,8 +348,15 @@ def run_all(
                                  out))  # fmt: skip
         for c, texts in dec_corpus.items():
             key = f"dec-ours|bulk-float|{c}"
-            # As many texts as the peers encode, at least one request per slot in flight.
-            n = max(BULK["concurrency"], -(-len(texts) // BULK["inputs_per_request"]))
+            # As many texts as the peers encode, at least one request per slot in flight, and at least
+            # DECODER_WORK_TOKENS: 128 short queries are ~1,500 tokens, 4 batches, two per worker: a run of
+            # 1.4 s measured the start and the end, not the rate (docs/performance.md, "Reproducing").
+            per_request = BULK["inputs_per_request"] * (dec_tokens.get(c) or 0)
+            n = max(
+                BULK["concurrency"],
+                -(-len(texts) // BULK["inputs_per_request"]),
+                -(-DECODER_WORK_TOKENS // int(per_request)) if per_request >= 1 else 0,
+            )
             jobs.append((key, lambda t=texts, n=n, k=key: {k: batch_run(dec, t, BULK, n)}))
     bounds: list[dict[str, float]] = []
 
