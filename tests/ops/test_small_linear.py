@@ -1,8 +1,8 @@
 """The project's linear for short sequences (layers.linear.small_linear, csrc `small_linear`): on the AMX tiles
 (1 to 16 rows) or as AVX512-BF16 dot products (1 to 4,096 rows, 256 past two threads), what the layers
 return against a float32 matmul of the same bf16 values, and where it steps aside for oneDNN (more rows,
-batch invariance, shapes it does not take). Each path the CPU has is tested: the fastest (the tiles where present), and the dot
-products with the tiles off (EMBED_CPU_AMX=0)."""
+batch invariance, shapes it does not take). Each path the CPU has is tested: the fastest (the tiles where
+present), and the dot products with the tiles off (EMBED_CPU_AMX=0)."""
 
 from __future__ import annotations
 
