@@ -89,8 +89,15 @@ def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     return out
 
 
+def described(p: psutil.Process) -> tuple[int, list[str] | str]:
+    try:
+        return p.pid, p.cmdline()
+    except psutil.NoSuchProcess:  # exited (a zombie included) since alive() looked
+        return p.pid, "exited"
+
+
 def assert_none_left(procs: list[psutil.Process], within: float = 5.0) -> None:
-    left = [(p.pid, p.cmdline()) for p in alive(procs)]
+    left = [described(p) for p in alive(procs)]  # the message only: the wait below decides
     wait_until(lambda: not alive(procs), f"no orphan process left behind (left: {left})", timeout=within)
 
 
